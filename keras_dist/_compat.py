@@ -1,0 +1,180 @@
+"""Every touch of private Keras and TensorFlow API, in one place.
+
+keras_dist fixes places where stock Keras 3 is broken under `tf.distribute`,
+and some of those fixes need private hooks. They all live here, each with the
+reason, so an upgrade has one file to check. `tests/test_compat.py` fails
+loudly when any of them moves.
+
+Tested with TensorFlow 2.21 and Keras 3.15 (supported: TensorFlow >= 2.16,
+Keras >= 3.5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import keras
+import tensorflow as tf
+
+TESTED_TENSORFLOW = ("2.16", "2.21")
+TESTED_KERAS = ("3.5", "3.15")
+
+
+def check_backend() -> None:
+    """Raises ImportError unless Keras runs on the TensorFlow backend."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ImportError(
+            "keras_dist needs Keras on the TensorFlow backend, but Keras is "
+            f"configured for {backend!r}. Set the environment variable "
+            "KERAS_BACKEND=tensorflow before importing keras (or set "
+            '"backend": "tensorflow" in ~/.keras/keras.json).'
+        )
+
+
+# --- Optimizer: the private all-reduce that keras_dist replaces -------------
+#
+# Keras 3 sums gradients across replicas inside
+# `TFOptimizer._backend_update_step` through the private
+# `_all_reduce_sum_gradients` (keras/src/backend/tensorflow/optimizer.py), and
+# clips before it (keras#19308 asks for a public hook). keras_dist reduces the
+# gradients itself, through its all-reduce hook, and then calls the
+# optimizer's public `apply`; the optimizer's own all-reduce must then be a
+# pass-through or the gradients would be summed twice.
+
+_OPTIMIZER_ALL_REDUCE = "_all_reduce_sum_gradients"
+_patch_lock = threading.Lock()
+_patch_depth: dict[int, int] = {}
+
+
+def _passthrough_all_reduce(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def _nested_optimizers(optimizer):
+    """Yields `optimizer` and every optimizer it wraps (loss scaling, ...)."""
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        yield optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
+@contextlib.contextmanager
+def optimizer_all_reduce_disabled(optimizer):
+    """Makes `optimizer.apply` skip Keras's own cross-replica gradient sum.
+
+    `MirroredStrategy` runs replicas in threads that interleave at every
+    `merge_call`, so the override is installed by the first thread to enter
+    and removed by the last one to leave.
+    """
+    targets = list(_nested_optimizers(optimizer))
+    with _patch_lock:
+        for target in targets:
+            if not hasattr(type(target), _OPTIMIZER_ALL_REDUCE):
+                raise RuntimeError(
+                    f"{type(target).__name__} has no `{_OPTIMIZER_ALL_REDUCE}`; "
+                    "this Keras version moved the optimizer's all-reduce. "
+                    f"keras_dist is tested with Keras {TESTED_KERAS[0]}-"
+                    f"{TESTED_KERAS[1]}."
+                )
+            depth = _patch_depth.get(id(target), 0)
+            if depth == 0:
+                setattr(target, _OPTIMIZER_ALL_REDUCE, _passthrough_all_reduce)
+            _patch_depth[id(target)] = depth + 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            for target in targets:
+                depth = _patch_depth[id(target)] - 1
+                if depth == 0:
+                    del _patch_depth[id(target)]
+                    delattr(target, _OPTIMIZER_ALL_REDUCE)
+                else:
+                    _patch_depth[id(target)] = depth
+
+
+# --- Trainer internals that a train_step needs ------------------------------
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training=True):
+    """`Trainer._compute_loss`: `compute_loss` plus the `training` plumbing."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
+
+
+def call_has_training_arg(model) -> bool:
+    """Whether `model.call` accepts `training` (Keras records it privately)."""
+    return model._call_has_training_arg
+
+
+def update_loss_tracker(model, loss, batch_size) -> None:
+    """Feeds the `loss` entry of the logs the way stock `train_step` does.
+
+    The loss a train step sees is scaled by `1 / num_replicas_in_sync` for
+    the gradient sum; the tracker records the unscaled value.
+    """
+    from keras.src.losses import loss as loss_module
+
+    model._loss_tracker.update_state(
+        loss_module.unscale_loss_for_distribution(loss), sample_weight=batch_size
+    )
+
+
+def model_strategy(model):
+    """The strategy the model was created under, or `None` (no scope)."""
+    return model._distribute_strategy
+
+
+def symbolic_build(model, data_batch) -> None:
+    """`Trainer._symbolic_build`: builds layers, metrics and loss from a batch."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def is_multi_worker(strategy) -> bool:
+    """Whether `strategy` is a MultiWorkerMirroredStrategy spanning workers."""
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
+
+
+# --- Model classes ------------------------------------------------------------
+
+# Keras's functional model class; `DistributedModel(inputs, outputs)` returns a
+# subclass of it, as `keras.Model(inputs, outputs)` returns a `Functional`.
+from keras.src.models.functional import Functional  # noqa: E402
+
+
+class MultiWorkerBuildFix:
+    """Mixin that fixes `Trainer._maybe_symbolic_build` for multi-worker.
+
+    Stock Keras reduces the first batch with `strategy.reduce("MEAN", batch)`
+    to learn its shapes, which raises "Attempt to convert a value
+    (PerReplica...)" under MultiWorkerMirroredStrategy. The batch is only used
+    for its shapes, so the first local replica's shard is enough.
+    """
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = model_strategy(self)
+        if strategy is None:
+            return
+        if iterator is not None:
+            for _, _, it in iterator:
+                batch = next(it)
+                data_batch = keras.tree.map_structure(
+                    lambda value: (
+                        strategy.experimental_local_results(value)[0]
+                        if isinstance(value, tf.distribute.DistributedValues)
+                        else value
+                    ),
+                    batch,
+                )
+                break
+        with strategy.scope():
+            symbolic_build(self, data_batch)
+

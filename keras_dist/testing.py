@@ -1,0 +1,212 @@
+"""Run a function as real `MultiWorkerMirroredStrategy` worker processes.
+
+Testing multi-worker code needs several processes that find each other through
+`TF_CONFIG`. `run_workers` starts them on free localhost ports, collects each
+worker's return value, and fails with the worker's own traceback when one
+fails, so a bug inside a collective is reported instead of hanging.
+
+Example:
+
+```python
+# my_test.py (the function must be importable: module level)
+def train():
+    import tensorflow as tf
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    ...
+    return model.get_weights()
+
+def test_two_workers():
+    weights_0, weights_1 = keras_dist.testing.run_workers(train, num_workers=2)
+```
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+
+from keras_dist import cluster as cluster_lib
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed or timed out; carries its traceback and output."""
+
+
+def run_workers(
+    fn: Callable,
+    num_workers: int = 2,
+    args: Sequence = (),
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> list:
+    """Runs `fn(*args)` once in each of `num_workers` worker processes.
+
+    Every process gets a `TF_CONFIG` naming all workers on free localhost
+    ports and its own task index, so `tf.distribute.MultiWorkerMirroredStrategy()`
+    created inside `fn` forms one cluster. TensorFlow is never imported by the
+    caller for this.
+
+    Args:
+        fn: Callable. A module-level function (it is imported by name in the
+            child processes). Its return value must be picklable.
+        num_workers: Int. Number of processes. Defaults to `2`.
+        args: Sequence. Picklable positional arguments for `fn`. Defaults to
+            `()`.
+        timeout: Float. Seconds before all workers are killed and a
+            `WorkerError` is raised. Defaults to `300`.
+        env: Dict or `None`. Extra environment variables for the workers.
+
+    Returns:
+        The list of return values, indexed by worker.
+
+    Raises:
+        WorkerError: a worker raised, exited non-zero or timed out. The message
+            holds that worker's traceback and the tail of its output.
+    """
+    if not callable(fn):
+        raise TypeError(f"`fn` must be callable. Received: fn={fn!r}.")
+    if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
+        raise ValueError(
+            "`fn` must be a module-level function so the worker processes can "
+            f"import it. Received: fn={fn.__qualname__!r}."
+        )
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(
+            f"`num_workers` must be an integer >= 1. Received: "
+            f"num_workers={num_workers!r}."
+        )
+    spec = cluster_lib.local_cluster(workers=num_workers)
+    workdir = tempfile.mkdtemp(prefix="keras_dist_workers_")
+    module_file = getattr(sys.modules.get(fn.__module__), "__file__", None)
+    procs = []
+    logs = []
+    for index in range(num_workers):
+        job = {
+            "module": fn.__module__,
+            "module_file": module_file,
+            "qualname": fn.__qualname__,
+            "args": tuple(args),
+            "sys_path": list(sys.path),
+            "result": os.path.join(workdir, f"result_{index}.pkl"),
+        }
+        job_path = os.path.join(workdir, f"job_{index}.pkl")
+        with open(job_path, "wb") as handle:
+            pickle.dump(job, handle)
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        child_env["TF_CONFIG"] = cluster_lib.make_tf_config(spec, "worker", index)
+        child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        log = open(os.path.join(workdir, f"worker_{index}.log"), "w+b")  # noqa: SIM115
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "keras_dist.testing", job_path],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+            )
+        )
+    try:
+        failed = _wait_all(procs, timeout)
+        if failed is not None:
+            index, reason = failed
+            raise WorkerError(
+                f"worker {index} of {num_workers} {reason}.\n"
+                f"{_describe(workdir, index, logs[index])}"
+            )
+        results = []
+        for index in range(num_workers):
+            with open(os.path.join(workdir, f"result_{index}.pkl"), "rb") as handle:
+                results.append(pickle.load(handle)["value"])
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+
+
+def _wait_all(procs, timeout):
+    """Waits for all processes; returns (index, reason) of the first failure."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pending = False
+        for index, proc in enumerate(procs):
+            code = proc.poll()
+            if code is None:
+                pending = True
+            elif code != 0:
+                return index, f"exited with code {code}"
+        if not pending:
+            return None
+        if time.monotonic() > deadline:
+            stuck = [i for i, p in enumerate(procs) if p.poll() is None]
+            return stuck[0], f"timed out after {timeout:.0f} s (still running: {stuck})"
+        time.sleep(0.05)
+
+
+def _describe(workdir, index, log):
+    parts = []
+    error_path = os.path.join(workdir, f"result_{index}.pkl")
+    if os.path.exists(error_path):
+        with open(error_path, "rb") as handle:
+            payload = pickle.load(handle)
+        if "traceback" in payload:
+            parts.append("Traceback in the worker:\n" + payload["traceback"])
+    log.flush()
+    log.seek(0)
+    output = log.read().decode(errors="replace")
+    parts.append("Last output of the worker:\n" + output[-4000:])
+    return "\n".join(parts)
+
+
+def _child_main(job_path: str) -> int:
+    with open(job_path, "rb") as handle:
+        job = pickle.load(handle)
+    for entry in reversed(job["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    try:
+        fn = _import_function(job)
+        value = fn(*job["args"])
+        payload = {"value": value}
+        code = 0
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        payload = {"traceback": traceback.format_exc()}
+        code = 1
+    with open(job["result"], "wb") as handle:
+        pickle.dump(payload, handle)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: TensorFlow's collective threads can block it.
+    os._exit(code)
+
+
+def _import_function(job):
+    try:
+        module = importlib.import_module(job["module"])
+    except ImportError:
+        if not job["module_file"]:
+            raise
+        spec = importlib.util.spec_from_file_location(job["module"], job["module_file"])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[job["module"]] = module
+        spec.loader.exec_module(module)
+    target = module
+    for part in job["qualname"].split("."):
+        target = getattr(target, part)
+    return target
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1]))
