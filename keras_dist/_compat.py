@@ -54,7 +54,7 @@ def _passthrough_all_reduce(grads_and_vars):
     return list(grads_and_vars)
 
 
-def _nested_optimizers(optimizer):
+def nested_optimizers(optimizer):
     """Yields `optimizer` and every optimizer it wraps (loss scaling, ...)."""
     seen = set()
     while optimizer is not None and id(optimizer) not in seen:
@@ -71,7 +71,7 @@ def optimizer_all_reduce_disabled(optimizer):
     `merge_call`, so the override is installed by the first thread to enter
     and removed by the last one to leave.
     """
-    targets = list(_nested_optimizers(optimizer))
+    targets = list(nested_optimizers(optimizer))
     with _patch_lock:
         for target in targets:
             if not hasattr(type(target), _OPTIMIZER_ALL_REDUCE):
@@ -138,16 +138,16 @@ def symbolic_build(model, data_batch) -> None:
 
 def is_multi_worker(strategy) -> bool:
     """Whether `strategy` is a MultiWorkerMirroredStrategy spanning workers."""
-    return isinstance(
-        strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
+    return (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        and strategy.extended._in_multi_worker_mode()
+    )
 
 
 # --- Model classes ------------------------------------------------------------
 
 # Keras's functional model class; `DistributedModel(inputs, outputs)` returns a
 # subclass of it, as `keras.Model(inputs, outputs)` returns a `Functional`.
-from keras.src.models.functional import Functional  # noqa: E402
 
 
 class MultiWorkerBuildFix:
@@ -178,3 +178,29 @@ class MultiWorkerBuildFix:
         with strategy.scope():
             symbolic_build(self, data_batch)
 
+
+# --- Optimizer state ------------------------------------------------------------
+
+
+def add_replica_local_variable(optimizer, reference, name):
+    """Adds a zero variable shaped like `reference`, one copy per replica.
+
+    `synchronization="on_read"` keeps a separate copy on every replica that a
+    replica reads and writes without communication; `aggregation="sum"` makes
+    a read in cross-replica context (saving a checkpoint) return the sum over
+    replicas, and a restore give every replica an equal share of it. Tracked
+    with the optimizer's private `_track_variable`, as its own
+    `add_variable` does, so it is saved with the optimizer.
+    """
+    with keras.name_scope(optimizer.name, caller=optimizer):
+        variable = keras.Variable(
+            initializer="zeros",
+            shape=reference.shape,
+            dtype=reference.dtype,
+            trainable=False,
+            aggregation="sum",
+            synchronization="on_read",
+            name=name,
+        )
+    optimizer._track_variable(variable)
+    return variable

@@ -40,9 +40,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         A list of `count` port numbers.
     """
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ValueError(
-            f"`count` must be an integer >= 1. Received: count={count!r}."
-        )
+        raise ValueError(f"`count` must be an integer >= 1. Received: count={count!r}.")
     sockets = []
     try:
         for _ in range(count):

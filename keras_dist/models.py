@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from keras_dist import _aggregation, _compat
 from keras_dist.compression.base import AllReduceHook, NoCompression
+from keras_dist.optimizers import GradientAccumulationOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         self._set_hook(all_reduce_hook)
 
     def _set_hook(self, hook):
+        object.__setattr__(self, "_hook_is_default", hook is None)
         hook = NoCompression() if hook is None else hook
         # Plain attribute on purpose: the hook is not a layer, so it must not
         # show up in `model.layers`, summaries or weight lists.
@@ -143,7 +145,9 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
                     "`with strategy.scope():` and call `from_model` there."
                 )
         return WrappedModel(
-            model, all_reduce_hook=all_reduce_hook, name=name or f"distributed_{model.name}"
+            model,
+            all_reduce_hook=all_reduce_hook,
+            name=name or f"distributed_{model.name}",
         )
 
     # --- Training step ------------------------------------------------------
@@ -160,7 +164,9 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
                 y_pred = self(x, training=True)
             else:
                 y_pred = self(x)
-            loss = _compat.compute_loss(self, x, y, y_pred, sample_weight, training=True)
+            loss = _compat.compute_loss(
+                self, x, y, y_pred, sample_weight, training=True
+            )
             _compat.update_loss_tracker(self, loss, _batch_size(x))
             if self.optimizer is not None:
                 loss = self.optimizer.scale_loss(loss)
@@ -169,7 +175,9 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
             gradients = tape.gradient(loss, trainable_weights)
             self.apply_gradients(gradients, trainable_weights)
         else:
-            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+            warnings.warn(
+                "The model does not have any trainable weights.", stacklevel=2
+            )
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def apply_gradients(self, gradients, variables):
@@ -190,15 +198,63 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
                 "optimizer=...)` first."
             )
         self._build_hook()
-        apply_with_hook = getattr(self.optimizer, "apply_with_hook", None)
-        if apply_with_hook is not None:
-            # GradientAccumulationOptimizer: accumulate locally, reduce with the
-            # model's hook only on update steps.
-            apply_with_hook(gradients, variables, self.all_reduce_hook)
+        if isinstance(self.optimizer, GradientAccumulationOptimizer):
+            # Accumulate locally; reduce with the hook only on update steps.
+            self.optimizer.apply_with_hook(gradients, variables, self._effective_hook())
         else:
             _aggregation.reduce_and_apply(
                 self.optimizer, gradients, variables, self.all_reduce_hook
             )
+
+    def _effective_hook(self):
+        # The model's hook applies; a hook given to the accumulation optimizer
+        # is used when the model kept the default one.
+        optimizer_hook = self.optimizer.all_reduce_hook
+        if optimizer_hook is None or optimizer_hook is self.all_reduce_hook:
+            return self.all_reduce_hook
+        if self._hook_is_default:
+            return optimizer_hook
+        raise ValueError(
+            "Both the model and its GradientAccumulationOptimizer have an "
+            f"all-reduce hook ({self.all_reduce_hook!r} and {optimizer_hook!r}). "
+            "Set the hook in one place: on the model (recommended) or on the "
+            "optimizer."
+        )
+
+    def compile(self, optimizer="rmsprop", *args, auto_scale_loss=True, **kwargs):
+        """Configures the model for training; see `keras.Model.compile`.
+
+        One difference: under the `mixed_float16` policy a
+        `GradientAccumulationOptimizer` keeps the outermost place and the
+        loss scaling goes inside it (`GradientAccumulationOptimizer(
+        LossScaleOptimizer(inner))`), so the loss scale is checked on the
+        reduced, accumulated gradient, identically on every replica.
+        """
+        optimizer = keras.optimizers.get(optimizer)
+        if (
+            auto_scale_loss
+            and isinstance(optimizer, GradientAccumulationOptimizer)
+            and self.dtype_policy.name == "mixed_float16"
+        ):
+            if not isinstance(
+                optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer
+            ):
+                if optimizer.built:
+                    raise RuntimeError(
+                        "Under mixed_float16 the GradientAccumulationOptimizer's "
+                        "inner optimizer needs loss scaling, but it is already "
+                        "built. Pass `GradientAccumulationOptimizer("
+                        "keras.optimizers.LossScaleOptimizer(inner))` yourself."
+                    )
+                logger.info(
+                    "mixed_float16: wrapping the accumulation optimizer's inner "
+                    "optimizer in a LossScaleOptimizer."
+                )
+                optimizer.inner_optimizer = keras.optimizers.LossScaleOptimizer(
+                    optimizer.inner_optimizer, name="loss_scale_optimizer"
+                )
+            auto_scale_loss = False
+        super().compile(optimizer, *args, auto_scale_loss=auto_scale_loss, **kwargs)
 
     def _build_hook(self):
         if not self.all_reduce_hook.built:
@@ -281,7 +337,9 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
             )
 
         def function(iterator):
-            if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            if isinstance(
+                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+            ):
                 return step_on_iterator(iterator)
             # An iterator of distributed batches built in Python (the epoch
             # iterator of numpy data can hand out lists of batches).

@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 
 from keras_dist import cluster as cluster_lib
 
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 class WorkerError(RuntimeError):
     """A worker process failed or timed out; carries its traceback and output."""
@@ -51,8 +53,7 @@ def run_workers(
 
     Every process gets a `TF_CONFIG` naming all workers on free localhost
     ports and its own task index, so `tf.distribute.MultiWorkerMirroredStrategy()`
-    created inside `fn` forms one cluster. TensorFlow is never imported by the
-    caller for this.
+    created inside `fn` forms one cluster.
 
     Args:
         fn: Callable. A module-level function (it is imported by name in the
@@ -104,6 +105,11 @@ def run_workers(
         child_env.update(env or {})
         child_env["TF_CONFIG"] = cluster_lib.make_tf_config(spec, "worker", index)
         child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        # The child runs `-m keras_dist.testing` before it reads the job file,
+        # so this copy of keras_dist must be importable from the start.
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            [_PACKAGE_ROOT, *filter(None, [child_env.get("PYTHONPATH")])]
+        )
         log = open(os.path.join(workdir, f"worker_{index}.log"), "w+b")  # noqa: SIM115
         logs.append(log)
         procs.append(
@@ -181,7 +187,7 @@ def _child_main(job_path: str) -> int:
         value = fn(*job["args"])
         payload = {"value": value}
         code = 0
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+    except BaseException:
         payload = {"traceback": traceback.format_exc()}
         code = 1
     with open(job["result"], "wb") as handle:

@@ -177,7 +177,9 @@ def all_reduce_sum(tensors):
         groups.setdefault(tensor.dtype, []).append(index)
     result = [None] * len(tensors)
     for indices in groups.values():
-        summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [tensors[i] for i in indices])
+        summed = ctx.all_reduce(
+            tf.distribute.ReduceOp.SUM, [tensors[i] for i in indices]
+        )
         for i, value in zip(indices, summed):
             result[i] = value
     return result

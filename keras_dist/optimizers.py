@@ -1,0 +1,368 @@
+"""`GradientAccumulationOptimizer`: big-batch training in small micro-batches."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from keras_dist import _aggregation, _compat
+from keras_dist.compression.base import NoCompression
+
+_REFUSED_BASE_KWARGS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+
+@keras.saving.register_keras_serializable(package="keras_dist")
+class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
+    """Accumulates gradients over micro-batches, then applies them once.
+
+    Use it when the batch you want does not fit in memory: `k` micro-steps of
+    per-replica batch `b` on `R` replicas give the same update as one step of
+    batch `k * b * R` on one device (to float rounding), for any inner
+    optimizer. It works where Keras 3's own `gradient_accumulation_steps`
+    fails (inside `fit` under `MirroredStrategy`, keras-team/keras#20582):
+
+    - micro-steps add each replica's gradient into replica-local accumulators,
+      with **no cross-replica communication**;
+    - every `accumulation_steps`-th micro-step reduces the accumulated
+      gradients once, through the all-reduce hook, then clips (the inner
+      optimizer's `clipnorm` / `global_clipnorm`, on the reduced gradient),
+      applies weight decay and updates, all in the inner optimizer, once.
+
+    The design follows optax's `MultiSteps` (a wrapper with the same protocol
+    as what it wraps) and Keras's `LossScaleOptimizer`.
+
+    Semantics:
+
+    - `iterations` is the inner optimizer's: the number of **updates**.
+      Learning-rate schedules therefore advance once per update.
+      `micro_steps` counts micro-batches.
+    - The applied gradient is the mean of the accumulated micro-step
+      gradients (the sum divided by the number of micro-steps accumulated).
+    - `accumulation_steps` can be assigned while training runs; the train
+      function is not retraced. A cycle in progress completes when it has
+      the new number of micro-steps.
+    - A partial accumulation at the end of an epoch or of `fit` is **carried
+      over**: it completes with the next micro-steps (next epoch or next
+      `fit`). Call `reset_accumulation()` to discard it instead.
+    - Checkpoints (`.keras` files, `tf.train.Checkpoint`) save the
+      accumulators (summed over replicas) and the count of pending
+      micro-steps; restoring resumes the cycle where it stopped, on any
+      number of replicas (each replica gets an equal share of the sum).
+    - BatchNormalization layers update their moving statistics on every
+      micro-batch (batch `b`), not once per effective batch.
+    - Mixed precision: with `mixed_float16`, Keras wraps the optimizer as
+      `LossScaleOptimizer(GradientAccumulationOptimizer(inner))`.
+      `DistributedModel.compile` reorders this to
+      `GradientAccumulationOptimizer(LossScaleOptimizer(inner))`, so the loss
+      scale is checked on the all-reduced, accumulated gradient and a
+      non-finite update is skipped on every replica alike. With a plain
+      `keras.Model` the Keras order stays (a micro-batch with non-finite
+      gradients on the first replica is dropped, as stock Keras drops a step).
+
+    Args:
+        inner_optimizer: `keras.optimizers.Optimizer`. The optimizer that
+            applies the accumulated gradients.
+        accumulation_steps: Int >= 1. Micro-steps per update. Defaults to `4`.
+        all_reduce_hook: `keras_dist.compression.AllReduceHook` or `None`. How
+            the accumulated gradients are summed over replicas on update
+            steps. With `DistributedModel`, leave it `None` and set the hook on
+            the model. Defaults to `None` (plain sum).
+        name: String or `None`. Name of the optimizer.
+
+    Example:
+
+    ```python
+    with strategy.scope():
+        model = keras_dist.DistributedModel(inputs, outputs)
+        model.compile(
+            optimizer=keras_dist.GradientAccumulationOptimizer(
+                keras.optimizers.Adam(1e-3), accumulation_steps=8
+            ),
+            loss="sparse_categorical_crossentropy",
+        )
+    model.fit(dataset.batch(micro_batch * strategy.num_replicas_in_sync))
+    ```
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        accumulation_steps=4,
+        all_reduce_hook=None,
+        name=None,
+        **kwargs,
+    ):
+        for arg_name, default in _REFUSED_BASE_KWARGS.items():
+            if arg_name not in kwargs:
+                continue
+            value = kwargs.pop(arg_name)
+            if value != default:
+                raise ValueError(
+                    f"GradientAccumulationOptimizer does not support `{arg_name}`. "
+                    f"Received: {arg_name}={value!r}. Set `{arg_name}` on the "
+                    "`inner_optimizer` instead."
+                )
+        if kwargs:
+            raise ValueError(
+                "GradientAccumulationOptimizer does not support arguments: "
+                f"{', '.join(f'`{k}`' for k in kwargs)}. Received: {kwargs!r}."
+            )
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "`inner_optimizer` must be a `keras.optimizers.Optimizer` "
+                f"instance. Received: inner_optimizer={inner_optimizer!r}. "
+                'Pass e.g. `keras.optimizers.Adam(1e-3)` (strings like "adam" '
+                "are not accepted here)."
+            )
+        if _find_accumulator(inner_optimizer) is not None:
+            raise ValueError(
+                "`inner_optimizer` already accumulates gradients (a "
+                "GradientAccumulationOptimizer is inside it). Wrap the plain "
+                "optimizer once and set `accumulation_steps` to the product. "
+                f"Received: inner_optimizer={inner_optimizer!r}."
+            )
+        if getattr(inner_optimizer, "gradient_accumulation_steps", None):
+            raise ValueError(
+                "`inner_optimizer` uses Keras's own `gradient_accumulation_steps`"
+                f"={inner_optimizer.gradient_accumulation_steps}, which fails under "
+                "tf.distribute (keras-team/keras#20582). Remove it and use "
+                "`accumulation_steps` here."
+            )
+        _check_steps(accumulation_steps)
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        self._initial_accumulation_steps = int(accumulation_steps)
+        self._hook = (
+            None
+            if all_reduce_hook is None
+            else _aggregation.check_hook(all_reduce_hook)
+        )
+
+    # --- State ----------------------------------------------------------------
+
+    def build(self, var_list):
+        var_list = list(var_list)
+        self._steps_variable = self.add_variable(
+            shape=(),
+            dtype="int64",
+            initializer=keras.initializers.Constant(self._initial_accumulation_steps),
+            aggregation="only_first_replica",
+            name="accumulation_steps",
+        )
+        self._pending = self.add_variable(
+            shape=(),
+            dtype="int64",
+            initializer="zeros",
+            aggregation="only_first_replica",
+            name="pending_micro_steps",
+        )
+        self._micro_steps = self.add_variable(
+            shape=(),
+            dtype="int64",
+            initializer="zeros",
+            aggregation="only_first_replica",
+            name="micro_steps",
+        )
+        self._accumulators = [
+            _compat.add_replica_local_variable(self, reference, name=f"accumulator_{i}")
+            for i, reference in enumerate(var_list)
+        ]
+        self._accumulator_index = {id(v): i for i, v in enumerate(var_list)}
+        self.inner_optimizer.build(var_list)
+        # Built here, in cross-replica context: a hook's state cannot be
+        # created inside a replica step.
+        self._own_hook = self._hook if self._hook is not None else NoCompression()
+        _aggregation.build_hook(self._own_hook, var_list, tf.distribute.get_strategy())
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        """Number of updates applied (the inner optimizer's iterations)."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def micro_steps(self):
+        """Number of micro-steps (gradient batches) seen so far."""
+        self._check_built("micro_steps")
+        return self._micro_steps
+
+    @property
+    def pending_micro_steps(self):
+        """Micro-steps accumulated since the last update."""
+        self._check_built("pending_micro_steps")
+        return self._pending
+
+    @property
+    def all_reduce_hook(self):
+        """The hook given to the constructor, or `None`."""
+        return self._hook
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-steps per update. Assignable while training runs."""
+        if not self.built:
+            return self._initial_accumulation_steps
+        return int(self._steps_variable.numpy())
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, value):
+        _check_steps(value)
+        self._initial_accumulation_steps = int(value)
+        if self.built:
+            self._steps_variable.assign(int(value))
+
+    def reset_accumulation(self):
+        """Discards the gradients accumulated since the last update."""
+        self._check_built("reset_accumulation")
+        for accumulator in self._accumulators:
+            accumulator.assign(tf.zeros_like(accumulator))
+        self._pending.assign(0)
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def _check_built(self, what):
+        if not self.built:
+            raise RuntimeError(
+                f"`{what}` needs a built optimizer: compile the model and train "
+                "(or call `optimizer.build(model.trainable_variables)`) first."
+            )
+
+    # --- Update -----------------------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        """Accumulates `grads`; applies the mean on every k-th call.
+
+        Called in replica context by `apply_gradients` (stock Keras
+        `train_step`). Uses the constructor's hook, or a plain sum.
+        """
+        self.apply_with_hook(grads, trainable_variables, self._hook)
+
+    def apply_with_hook(self, grads, trainable_variables, hook):
+        """`apply` with an explicit all-reduce hook (used by DistributedModel)."""
+        if trainable_variables is None:
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        if hook is None:
+            hook = self._own_hook
+        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
+        variables = [v for _, v in pairs]
+        accumulators = [self._accumulators[self._index(v)] for v in variables]
+        for accumulator, (grad, _) in zip(accumulators, pairs):
+            # Replica-local (ON_READ) variable: this writes only this
+            # replica's copy, no communication.
+            accumulator.assign_add(
+                tf.cast(tf.convert_to_tensor(grad), accumulator.dtype)
+            )
+
+        def cross_replica_update(strategy):
+            # One unconditional merge_call per micro-step; the conditional
+            # lives here, in cross-replica context, because a cond in replica
+            # context cannot contain the all-reduce's merge_call (#20582).
+            self._micro_steps.assign_add(1)
+            pending = self._pending + 1
+
+            def update():
+                strategy.extended.call_for_each_replica(
+                    self._apply_accumulated,
+                    args=(accumulators, variables, hook, pending),
+                )
+                self._pending.assign(0)
+                return tf.constant(True)
+
+            def accumulate():
+                self._pending.assign(pending)
+                return tf.constant(False)
+
+            return tf.cond(pending >= self._steps_variable, update, accumulate)
+
+        tf.distribute.get_replica_context().merge_call(cross_replica_update)
+
+    def _apply_accumulated(self, accumulators, variables, hook, count):
+        count = tf.cast(count, accumulators[0].dtype) if accumulators else None
+        grads = [tf.identity(a.value) / tf.cast(count, a.dtype) for a in accumulators]
+        _aggregation.reduce_and_apply(self.inner_optimizer, grads, variables, hook)
+        for accumulator in accumulators:
+            accumulator.assign(tf.zeros_like(accumulator.value))
+
+    def _index(self, variable):
+        try:
+            return self._accumulator_index[id(variable)]
+        except KeyError:
+            raise ValueError(
+                f"Variable {variable.path!r} was not known to the optimizer when "
+                "it was built. Build it on all trainable variables (compile the "
+                "model, or `optimizer.build(model.trainable_variables)`)."
+            ) from None
+
+    # --- Serialization ----------------------------------------------------------
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(
+                self.inner_optimizer
+            ),
+            "accumulation_steps": self._initial_accumulation_steps,
+            "all_reduce_hook": keras.saving.serialize_keras_object(self._hook),
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        hook = keras.saving.deserialize_keras_object(
+            config.pop("all_reduce_hook", None), custom_objects=custom_objects
+        )
+        return cls(inner, all_reduce_hook=hook, **config)
+
+
+def _check_steps(value):
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(
+            "`accumulation_steps` must be an int >= 1. Received: "
+            f"accumulation_steps={value!r} (type {type(value).__name__})."
+        )
+    if value < 1:
+        raise ValueError(
+            "`accumulation_steps` must be >= 1 (1 means no accumulation). "
+            f"Received: accumulation_steps={value}."
+        )
+
+
+def _find_accumulator(optimizer):
+    for nested in _compat.nested_optimizers(optimizer):
+        if isinstance(nested, GradientAccumulationOptimizer):
+            return nested
+    return None
