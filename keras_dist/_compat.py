@@ -148,6 +148,7 @@ def is_multi_worker(strategy) -> bool:
 
 # Keras's functional model class; `DistributedModel(inputs, outputs)` returns a
 # subclass of it, as `keras.Model(inputs, outputs)` returns a `Functional`.
+from keras.src.models.functional import Functional as Functional  # noqa: E402
 
 
 class MultiWorkerBuildFix:
