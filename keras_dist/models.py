@@ -192,7 +192,7 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
             gradients: List of gradients (`None` entries are skipped).
             variables: List of the matching trainable variables.
         """
-        if self.optimizer is None:
+        if getattr(self, "optimizer", None) is None:
             raise RuntimeError(
                 "`apply_gradients` needs an optimizer: call `model.compile("
                 "optimizer=...)` first."
@@ -275,6 +275,17 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         _aggregation.build_hook(
             self.all_reduce_hook, self.trainable_variables, self.distribute_strategy
         )
+
+    def compile_from_config(self, config):
+        # Keras skips compiling on load when `compile` is overridden (ours
+        # is); DistributedModel.compile takes the same arguments, so compile.
+        if type(self).compile is not DistributedModel.compile:
+            return super().compile_from_config(config)
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+        return None
 
     # --- Distributed train / test functions ---------------------------------
 

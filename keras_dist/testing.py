@@ -46,10 +46,11 @@ def run_workers(
     fn: Callable,
     num_workers: int = 2,
     args: Sequence = (),
+    kwargs: dict | None = None,
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
 ) -> list:
-    """Runs `fn(*args)` once in each of `num_workers` worker processes.
+    """Runs `fn(*args, **kwargs)` once in each of `num_workers` worker processes.
 
     Every process gets a `TF_CONFIG` naming all workers on free localhost
     ports and its own task index, so `tf.distribute.MultiWorkerMirroredStrategy()`
@@ -61,6 +62,7 @@ def run_workers(
         num_workers: Int. Number of processes. Defaults to `2`.
         args: Sequence. Picklable positional arguments for `fn`. Defaults to
             `()`.
+        kwargs: Dict or `None`. Picklable keyword arguments for `fn`.
         timeout: Float. Seconds before all workers are killed and a
             `WorkerError` is raised. Defaults to `300`.
         env: Dict or `None`. Extra environment variables for the workers.
@@ -95,6 +97,7 @@ def run_workers(
             "module_file": module_file,
             "qualname": fn.__qualname__,
             "args": tuple(args),
+            "kwargs": dict(kwargs or {}),
             "sys_path": list(sys.path),
             "result": os.path.join(workdir, f"result_{index}.pkl"),
         }
@@ -184,7 +187,7 @@ def _child_main(job_path: str) -> int:
             sys.path.insert(0, entry)
     try:
         fn = _import_function(job)
-        value = fn(*job["args"])
+        value = fn(*job["args"], **job["kwargs"])
         payload = {"value": value}
         code = 0
     except BaseException:

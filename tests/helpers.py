@@ -1,0 +1,41 @@
+"""Small models and data shared by the tests."""
+
+import keras
+import numpy as np
+
+
+def make_data(n=64, features=8, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    return x, y
+
+
+def mlp(cls=keras.Model, features=8, classes=3, seed=1, dtype=None):
+    """A two-layer MLP in the functional form of `cls`, seeded."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((features,))
+    hidden = keras.layers.Dense(16, activation="relu", dtype=dtype)(inputs)
+    outputs = keras.layers.Dense(classes, dtype=dtype)(hidden)
+    return cls(inputs, outputs)
+
+
+def compile_model(model, optimizer, metrics=("accuracy",)):
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=list(metrics),
+    )
+    return model
+
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+}
+
+
+def max_abs_diff(weights_a, weights_b):
+    assert len(weights_a) == len(weights_b)
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b))

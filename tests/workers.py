@@ -1,0 +1,95 @@
+"""Bodies of multi-worker tests; each runs in a real worker process.
+
+They live apart from the test modules so the worker processes import neither
+pytest nor conftest (which would reconfigure the devices).
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+
+def stock_keras_fit():
+    """Stock `keras.Model.fit` under MultiWorkerMirroredStrategy."""
+    import tensorflow as tf
+    from helpers import compile_model, make_data, mlp
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x, y = make_data()
+    with strategy.scope():
+        model = compile_model(mlp(), "sgd")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    model.fit(dataset, epochs=1, verbose=0)
+    return "trained"
+
+
+def distributed_fit(optimizer_names, epochs=2, batch_size=16, clip=False):
+    """DistributedModel fit/evaluate/predict under MultiWorkerMirroredStrategy.
+
+    Returns a dict per optimizer with weights, history, evaluation and
+    predictions, to compare with single-device training in the parent.
+    """
+    import keras
+    import tensorflow as tf
+    from helpers import OPTIMIZERS, compile_model, make_data, mlp
+
+    import keras_dist
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x, y = make_data()
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA
+    )
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .batch(batch_size)
+        .with_options(options)
+    )
+    results = {}
+    for name in optimizer_names:
+        optimizer = OPTIMIZERS[name]()
+        if clip:
+            optimizer = keras.optimizers.SGD(0.5, global_clipnorm=0.05)
+        with strategy.scope():
+            model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
+        history = model.fit(dataset, epochs=epochs, verbose=0)
+        results[name] = {
+            "weights": model.get_weights(),
+            "history": history.history,
+            "evaluate": model.evaluate(dataset, verbose=0),
+            "predict": model.predict(x, batch_size=batch_size, verbose=0),
+        }
+    return results
+
+
+def accumulated_fit(optimizer_name, accumulation_steps, micro_batch, epochs=2):
+    """GradientAccumulationOptimizer with DistributedModel, multi-worker."""
+    import tensorflow as tf
+    from helpers import OPTIMIZERS, compile_model, make_data, mlp
+
+    import keras_dist
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x, y = make_data()
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA
+    )
+    global_micro = micro_batch * strategy.num_replicas_in_sync
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .batch(global_micro)
+        .with_options(options)
+    )
+    with strategy.scope():
+        optimizer = keras_dist.GradientAccumulationOptimizer(
+            OPTIMIZERS[optimizer_name](), accumulation_steps=accumulation_steps
+        )
+        model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
+    model.fit(dataset, epochs=epochs, verbose=0)
+    return {
+        "weights": model.get_weights(),
+        "iterations": int(optimizer.iterations.numpy()),
+        "micro_steps": int(optimizer.micro_steps.numpy()),
+    }
