@@ -10,8 +10,8 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import pytest
+import tensorflow as tf
 
 NUM_CPU_REPLICAS = 4
 

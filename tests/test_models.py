@@ -117,7 +117,7 @@ def test_forms_train_like_keras_model_on_two_replicas(form):
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
 
 
-class SubclassNet_plain(keras.Model):  # noqa: N801 - mirrors SubclassNet
+class SubclassNet_plain(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.hidden = keras.layers.Dense(16, activation="relu")
@@ -175,7 +175,9 @@ def test_from_model_keras_application_trains_on_two_replicas():
 def test_one_replica_equals_keras_model(optimizer_name):
     reference, ref_history = single_device_run(optimizer_name)
     x, y = make_data()
-    model = compile_model(mlp(keras_dist.DistributedModel), OPTIMIZERS[optimizer_name]())
+    model = compile_model(
+        mlp(keras_dist.DistributedModel), OPTIMIZERS[optimizer_name]()
+    )
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
     np.testing.assert_allclose(
@@ -200,7 +202,9 @@ def test_mirrored_equals_single_device(replicas, optimizer_name):
     reference, ref_history = single_device_run(optimizer_name)
     x, y = make_data()
     with mirrored(replicas).scope():
-        model = compile_model(mlp(keras_dist.DistributedModel), OPTIMIZERS[optimizer_name]())
+        model = compile_model(
+            mlp(keras_dist.DistributedModel), OPTIMIZERS[optimizer_name]()
+        )
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
     # Logs are computed from the metric state of all replicas.
@@ -352,9 +356,7 @@ def test_hook_returning_wrong_count_is_reported():
 
     x, y = make_data()
     model = compile_model(
-        keras_dist.DistributedModel(
-            *_io(), all_reduce_hook=DropsOne()
-        ),
+        keras_dist.DistributedModel(*_io(), all_reduce_hook=DropsOne()),
         "sgd",
     )
     with pytest.raises(ValueError, match="returned 3 gradients for 4 inputs"):
@@ -397,10 +399,13 @@ def test_keras_file_round_trip(tmp_path, form):
     assert int(loaded.optimizer.iterations.numpy()) == int(
         model.optimizer.iterations.numpy()
     )
-    assert max_abs_diff(
-        [v.numpy() for v in model.optimizer.variables],
-        [v.numpy() for v in loaded.optimizer.variables],
-    ) == 0
+    assert (
+        max_abs_diff(
+            [v.numpy() for v in model.optimizer.variables],
+            [v.numpy() for v in loaded.optimizer.variables],
+        )
+        == 0
+    )
     # Training continues identically after loading.
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
@@ -494,7 +499,7 @@ def test_hook_must_be_a_hook_instance():
 
 
 def test_from_model_errors():
-    with pytest.raises(TypeError, match="must be a `keras.Model`"):
+    with pytest.raises(TypeError, match=r"must be a `keras\.Model`"):
         keras_dist.DistributedModel.from_model(keras.layers.Dense(3))
     with pytest.raises(ValueError, match="already a DistributedModel"):
         keras_dist.DistributedModel.from_model(mlp(keras_dist.DistributedModel))
@@ -508,5 +513,5 @@ def test_from_model_errors():
 
 def test_apply_gradients_needs_compile():
     model = mlp(keras_dist.DistributedModel)
-    with pytest.raises(RuntimeError, match="call `model.compile"):
+    with pytest.raises(RuntimeError, match=r"call `model\.compile"):
         model.apply_gradients([], [])

@@ -1,0 +1,443 @@
+"""Pick the `tf.distribute` strategy that fits the environment.
+
+The same training script should run on a laptop, a multi-GPU box, a
+`TF_CONFIG` or SLURM cluster and a TPU without edits. `auto_strategy` reads the
+environment, logs what it chose and why, and builds that strategy;
+`describe_choice` makes the same decision without building anything (for
+`keras-dist env`, dry runs and tests).
+
+Decision order:
+
+1. `cpu_replicas=N` given: `MirroredStrategy` over N logical CPU devices.
+2. A TPU is configured (`KERAS_DIST_TPU`, `TPU_NAME` or `COLAB_TPU_ADDR`):
+   `TPUStrategy`. The TPU resolver is only consulted then, so CPU and GPU
+   machines never wait on a cloud metadata server.
+3. `TF_CONFIG` has `ps` tasks: `ParameterServerStrategy`.
+4. `TF_CONFIG` has more than one training task (chief + workers), or the SLURM
+   job step has more than one task: `MultiWorkerMirroredStrategy`.
+5. More than one GPU is visible: `MirroredStrategy`.
+6. Otherwise the default strategy, `tf.distribute.get_strategy()`.
+
+Example:
+
+```python
+import keras_dist
+
+strategy = keras_dist.auto_strategy()
+with strategy.scope():
+    model = ...
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+
+import tensorflow as tf
+
+from keras_dist import cluster as cluster_lib
+
+logger = logging.getLogger(__name__)
+
+TPU_ENV_VARS = ("KERAS_DIST_TPU", "TPU_NAME", "COLAB_TPU_ADDR")
+
+_SLURM_STEP_VARS = (
+    "SLURM_PROCID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_TASKS_PER_NODE",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyChoice:
+    """The strategy `auto_strategy` picks, and why.
+
+    Attributes:
+        name: String. One of `"TPUStrategy"`, `"ParameterServerStrategy"`,
+            `"MultiWorkerMirroredStrategy"`, `"MirroredStrategy"` or
+            `"DefaultStrategy"` (the strategy `tf.distribute.get_strategy()`
+            returns outside any scope).
+        reason: String. A human explanation, e.g.
+            `"TF_CONFIG names 2 training tasks (chief + workers)"`.
+        resolver: String or `None`. The cluster resolver the strategy is built
+            with (`"TPUClusterResolver"`, `"TFConfigClusterResolver"` or
+            `"SlurmClusterResolver"`), `None` for a single-process strategy.
+    """
+
+    name: str
+    reason: str
+    resolver: str | None = None
+
+
+def describe_choice(
+    environ: Mapping[str, str] | None = None,
+    *,
+    num_gpus: int | None = None,
+    cpu_replicas: int | None = None,
+) -> StrategyChoice:
+    """Returns the strategy `auto_strategy` would build, without building it.
+
+    Nothing is initialised and no resolver is contacted; `TF_CONFIG` is
+    validated with `keras_dist.cluster.parse_tf_config`.
+
+    Args:
+        environ: Mapping or `None`. The environment to read (`TF_CONFIG`,
+            `SLURM_*`, TPU variables). `None` reads `os.environ`. Defaults to
+            `None`.
+        num_gpus: Int or `None`. Number of visible GPUs. `None` asks
+            TensorFlow (`tf.config.get_visible_devices("GPU")`, which does not
+            initialise the GPUs); it is only asked when no TPU or cluster is
+            configured. Defaults to `None`.
+        cpu_replicas: Int or `None`. As in `auto_strategy`. Defaults to `None`.
+
+    Returns:
+        A frozen `StrategyChoice` with the strategy name and the reason.
+
+    Raises:
+        ValueError: `TF_CONFIG` is malformed or describes a cluster this
+            process cannot join (no `task`, a parameter-server cluster without
+            a chief or worker), a `SLURM_*` count is not an integer,
+            `cpu_replicas` is below 1 or is combined with a multi-process
+            cluster, or `num_gpus` is negative.
+        TypeError: `cpu_replicas` or `num_gpus` is not an int.
+
+    Example:
+
+    ```python
+    >>> keras_dist.strategy.describe_choice({"SLURM_NTASKS": "4"})
+    StrategyChoice(name='MultiWorkerMirroredStrategy',
+                   reason='the SLURM allocation has 4 tasks (SLURM_NTASKS=4)',
+                   resolver='SlurmClusterResolver')
+    ```
+    """
+    cpu_replicas = _check_cpu_replicas(cpu_replicas)
+    if num_gpus is not None:
+        if isinstance(num_gpus, bool) or not isinstance(num_gpus, int):
+            raise TypeError(
+                f"`num_gpus` must be an int or `None`. Received: num_gpus={num_gpus!r}."
+            )
+        if num_gpus < 0:
+            raise ValueError(
+                "`num_gpus` must be >= 0, or `None` to ask TensorFlow. "
+                f"Received: num_gpus={num_gpus}."
+            )
+    env = os.environ if environ is None else environ
+    if environ is None:
+        tf_config = cluster_lib.parse_tf_config()
+    else:
+        text = env.get("TF_CONFIG", "")
+        tf_config = cluster_lib.parse_tf_config(text) if text.strip() else None
+
+    cluster_choice, note = _cluster_choice(env, tf_config)
+    if cpu_replicas is not None:
+        if cluster_choice is not None:
+            raise ValueError(
+                f"`cpu_replicas` builds a single-process MirroredStrategy, but "
+                f"the environment describes a multi-process job: "
+                f"{cluster_choice.reason}. Every process would train on its "
+                f"own. Drop `cpu_replicas` to get a "
+                f"{cluster_choice.name}, or clear TF_CONFIG / the SLURM "
+                f"variables. Received: cpu_replicas={cpu_replicas}."
+            )
+        return StrategyChoice(
+            "MirroredStrategy",
+            f"cpu_replicas={cpu_replicas} asks for {cpu_replicas} logical CPU "
+            "device(s)",
+        )
+
+    tpu = _tpu_target(env)
+    if tpu is not None:
+        variable, value, _ = tpu
+        return StrategyChoice(
+            "TPUStrategy", f"{variable}={value!r} names a TPU", "TPUClusterResolver"
+        )
+    if cluster_choice is not None:
+        return cluster_choice
+
+    if num_gpus is None:
+        num_gpus = len(tf.config.get_visible_devices("GPU"))
+    prefix = f"{note}; " if note else ""
+    if num_gpus > 1:
+        return StrategyChoice(
+            "MirroredStrategy", f"{prefix}{num_gpus} GPUs are visible"
+        )
+    if num_gpus == 1:
+        reason = f"{prefix}one GPU is visible, so there is nothing to mirror"
+    else:
+        reason = f"{prefix}no TPU, cluster or GPU is configured"
+    return StrategyChoice("DefaultStrategy", reason)
+
+
+def auto_strategy(cpu_replicas: int | None = None) -> tf.distribute.Strategy:
+    """Builds the `tf.distribute` strategy that fits this environment.
+
+    The decision is `describe_choice()` (see the module docstring for the
+    order); it is logged at INFO level with its reason. Multi-process
+    strategies are built with the matching cluster resolver
+    (`TFConfigClusterResolver` or `SlurmClusterResolver`).
+
+    `ParameterServerStrategy` is built only in the coordinator (the `chief`
+    task); `worker` and `ps` tasks must run a `tf.distribute.Server` instead.
+    Note that Keras 3 `Model.fit` does not support `ParameterServerStrategy`
+    (keras-team/keras#18624): train with a
+    `tf.distribute.coordinator.ClusterCoordinator` loop.
+
+    Args:
+        cpu_replicas: Int or `None`. When set, creates that many logical CPU
+            devices (`tf.config.set_logical_device_configuration`) and returns
+            a `MirroredStrategy` over them, whatever GPUs or TPUs exist: real
+            multi-replica code on one CPU, for development and tests. If
+            TensorFlow is already initialised with at least that many logical
+            CPU devices, the first `cpu_replicas` are used. Defaults to `None`.
+
+    Returns:
+        A `tf.distribute.Strategy`.
+
+    Raises:
+        ValueError: as `describe_choice` (malformed `TF_CONFIG`, bad
+            `cpu_replicas`, ...), before TensorFlow sees the environment.
+        TypeError: `cpu_replicas` is not an int.
+        RuntimeError: TensorFlow is already initialised with fewer logical
+            CPU devices than `cpu_replicas` (call `auto_strategy` first); this
+            process is a `worker` or `ps` task of a parameter-server cluster;
+            a SLURM job was not started with `srun`; or a configured TPU could
+            not be reached.
+
+    Example:
+
+    ```python
+    import keras_dist
+
+    keras_dist.init_memory_growth()
+    strategy = keras_dist.auto_strategy()      # or auto_strategy(cpu_replicas=4)
+    with strategy.scope():
+        model = keras.Sequential([...])
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(dataset)
+    ```
+    """
+    choice = describe_choice(cpu_replicas=cpu_replicas)
+    logger.info("auto_strategy chose %s: %s.", choice.name, choice.reason)
+    if cpu_replicas is not None:
+        return _cpu_mirrored(cpu_replicas)
+    if choice.name == "TPUStrategy":
+        return _tpu_strategy(os.environ)
+    if choice.name == "ParameterServerStrategy":
+        return _parameter_server_strategy()
+    if choice.resolver == "SlurmClusterResolver":
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=_slurm_resolver(os.environ)
+        )
+    if choice.name == "MultiWorkerMirroredStrategy":
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        )
+    if choice.name == "MirroredStrategy":
+        return tf.distribute.MirroredStrategy()
+    return tf.distribute.get_strategy()
+
+
+def _cluster_choice(env, tf_config):
+    """Returns (multi-process StrategyChoice or None, note for local choices)."""
+    if tf_config is not None:
+        spec = tf_config["cluster"]
+        task = tf_config.get("task")
+        if task is not None and task["type"] == "evaluator":
+            return None, (
+                "this process is the TF_CONFIG `evaluator`, which evaluates on "
+                "its own and joins no training collective"
+            )
+        num_ps = len(spec.get("ps", []))
+        num_training = cluster_lib.num_training_tasks(tf_config)
+        if num_ps:
+            if not spec.get("worker") or not spec.get("chief"):
+                raise ValueError(
+                    "TF_CONFIG has `ps` tasks, so it describes a "
+                    "parameter-server cluster, which needs one `chief` (the "
+                    "coordinator that runs the training loop) and at least one "
+                    f"`worker`. Received: cluster={spec!r}. Build it with "
+                    "`keras_dist.cluster.local_cluster(workers=..., ps=..., "
+                    "chief=True)`."
+                )
+            _require_task(task, spec)
+            return StrategyChoice(
+                "ParameterServerStrategy",
+                f"TF_CONFIG has {num_ps} `ps` task(s) and "
+                f"{len(spec['worker'])} worker(s)",
+                "TFConfigClusterResolver",
+            ), None
+        if num_training > 1:
+            _require_task(task, spec)
+            return StrategyChoice(
+                "MultiWorkerMirroredStrategy",
+                f"TF_CONFIG names {num_training} training tasks (chief + "
+                f"workers); this process is {task['type']}:{task.get('index', 0)}",
+                "TFConfigClusterResolver",
+            ), None
+        # An explicit single-task TF_CONFIG wins over SLURM variables.
+        return None, f"TF_CONFIG names {num_training} training task(s)"
+
+    step_tasks = _env_int(env, "SLURM_STEP_NUM_TASKS")
+    job_tasks = _env_int(env, "SLURM_NTASKS")
+    if step_tasks is not None:
+        if step_tasks > 1:
+            return StrategyChoice(
+                "MultiWorkerMirroredStrategy",
+                f"this SLURM job step runs {step_tasks} tasks "
+                f"(SLURM_STEP_NUM_TASKS={step_tasks})",
+                "SlurmClusterResolver",
+            ), None
+        if job_tasks is not None and job_tasks > 1:
+            return None, (
+                f"the SLURM allocation has {job_tasks} tasks but this job step "
+                "runs 1 (start the script with `srun` to use them all)"
+            )
+        return None, None
+    if job_tasks is not None and job_tasks > 1:
+        return StrategyChoice(
+            "MultiWorkerMirroredStrategy",
+            f"the SLURM allocation has {job_tasks} tasks (SLURM_NTASKS={job_tasks})",
+            "SlurmClusterResolver",
+        ), None
+    return None, None
+
+
+def _require_task(task, spec) -> None:
+    if task is None:
+        raise ValueError(
+            "TF_CONFIG describes a multi-process cluster but has no `task`, so "
+            "this process does not know its role. Give every process its own "
+            '`"task": {"type": ..., "index": ...}`, e.g. with '
+            "`keras_dist.cluster.make_tf_config(cluster, 'worker', index)`. "
+            f"Received: cluster={spec!r}."
+        )
+
+
+def _env_int(env, name):
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"The environment variable {name} must be an integer. "
+            f"Received: {name}={text!r}. Unset it or fix the job script."
+        ) from None
+
+
+def _tpu_target(env):
+    """Returns (variable, value, TPUClusterResolver `tpu` argument) or None."""
+    for variable in TPU_ENV_VARS:
+        value = env.get(variable, "").strip()
+        if value:
+            if variable == "COLAB_TPU_ADDR" and "://" not in value:
+                return variable, value, f"grpc://{value}"
+            return variable, value, value
+    return None
+
+
+def _check_cpu_replicas(cpu_replicas):
+    if cpu_replicas is None:
+        return None
+    if isinstance(cpu_replicas, bool) or not isinstance(cpu_replicas, int):
+        raise TypeError(
+            "`cpu_replicas` must be an int or `None`. "
+            f"Received: cpu_replicas={cpu_replicas!r}."
+        )
+    if cpu_replicas < 1:
+        raise ValueError(
+            "`cpu_replicas` must be >= 1 (the number of logical CPU devices to "
+            f"mirror over). Received: cpu_replicas={cpu_replicas}."
+        )
+    return cpu_replicas
+
+
+def _cpu_mirrored(cpu_replicas: int) -> tf.distribute.Strategy:
+    if cpu_replicas > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        configured = tf.config.get_logical_device_configuration(cpu)
+        available = len(configured) if configured else 1
+        if available < cpu_replicas:
+            try:
+                tf.config.set_logical_device_configuration(
+                    cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_replicas
+                )
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"`cpu_replicas={cpu_replicas}` needs {cpu_replicas} logical "
+                    f"CPU devices, but TensorFlow is already initialised with "
+                    f"{available} (TensorFlow said: {error}). Call "
+                    f"`keras_dist.auto_strategy(cpu_replicas={cpu_replicas})` "
+                    "first, before any tensor, model or strategy is created, or "
+                    f"ask for at most {available} replica(s)."
+                ) from error
+    devices = [f"/cpu:{index}" for index in range(cpu_replicas)]
+    # NCCL cannot reduce between CPU devices; say so instead of letting
+    # MirroredStrategy warn about it.
+    return tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+
+
+def _tpu_strategy(env) -> tf.distribute.Strategy:
+    variable, value, tpu = _tpu_target(env)
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except Exception as error:
+        raise RuntimeError(
+            f"{variable}={value!r} is set, but no TPU could be reached through "
+            f"it ({type(error).__name__}: {error}). Fix {variable}, or unset it "
+            "to train on GPUs or CPUs."
+        ) from error
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def _parameter_server_strategy() -> tf.distribute.Strategy:
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type != "chief":
+        raise RuntimeError(
+            f"This process is TF_CONFIG task {resolver.task_type}:"
+            f"{resolver.task_id} of a parameter-server cluster. Only the "
+            "coordinator (the `chief` task) builds ParameterServerStrategy; "
+            "`worker` and `ps` tasks serve it instead of calling "
+            "`auto_strategy`:\n\n"
+            "    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()\n"
+            "    tf.distribute.Server(resolver.cluster_spec(),\n"
+            "                         job_name=resolver.task_type,\n"
+            "                         task_index=resolver.task_id,\n"
+            '                         protocol="grpc", start=True).join()'
+        )
+    logger.warning(
+        "Keras 3 `Model.fit` does not support ParameterServerStrategy "
+        "(keras-team/keras#18624); train with a "
+        "`tf.distribute.coordinator.ClusterCoordinator` loop."
+    )
+    return tf.distribute.experimental.ParameterServerStrategy(resolver)
+
+
+def _slurm_resolver(env):
+    missing = [name for name in _SLURM_STEP_VARS if not env.get(name)]
+    if missing:
+        raise RuntimeError(
+            "The SLURM allocation has several tasks, but this process was not "
+            f"started as one of them ({', '.join(missing)} unset). Start one "
+            "process per task with `srun`, e.g. `srun python train.py`."
+        )
+    resolver_lib = tf.distribute.cluster_resolver
+    if "CUDA_VISIBLE_DEVICES" in env or shutil.which("nvidia-smi"):
+        return resolver_lib.SlurmClusterResolver()
+    # SlurmClusterResolver counts GPUs with nvidia-smi and gives each task a
+    # port per GPU slot, so on CPU nodes it fails or finds no task at all.
+    # One slot per task, with CUDA_VISIBLE_DEVICES left alone, fixes that.
+    num_tasks = int(env["SLURM_STEP_NUM_TASKS"])
+    return resolver_lib.SlurmClusterResolver(
+        gpus_per_node=num_tasks, gpus_per_task=1, auto_set_gpu=False
+    )

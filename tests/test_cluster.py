@@ -1,0 +1,226 @@
+"""Tests for keras_dist.cluster: TF_CONFIG building and validation."""
+
+import json
+import socket
+
+import pytest
+
+from keras_dist import cluster
+
+SPEC = {"chief": ["localhost:2222"], "worker": ["localhost:2223", "host-b:2224"]}
+
+
+def _tf_config(cluster_spec, task=None):
+    config = {"cluster": cluster_spec}
+    if task is not None:
+        config["task"] = task
+    return json.dumps(config)
+
+
+def test_parse_valid_config_returns_dict():
+    text = _tf_config(SPEC, {"type": "worker", "index": 1})
+    assert cluster.parse_tf_config(text) == json.loads(text)
+
+
+def test_parse_without_task_is_allowed():
+    assert cluster.parse_tf_config(_tf_config(SPEC))["cluster"] == SPEC
+
+
+def test_parse_task_index_defaults_to_zero():
+    config = cluster.parse_tf_config(_tf_config(SPEC, {"type": "chief"}))
+    assert config["task"] == {"type": "chief"}
+
+
+def test_parse_reads_environment(monkeypatch):
+    text = _tf_config(SPEC, {"type": "chief", "index": 0})
+    monkeypatch.setenv("TF_CONFIG", text)
+    assert cluster.parse_tf_config() == json.loads(text)
+
+
+@pytest.mark.parametrize("value", [None, "", "   "])
+def test_parse_unset_environment_returns_none(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TF_CONFIG", value)
+    assert cluster.parse_tf_config() is None
+
+
+def test_parse_not_json():
+    with pytest.raises(ValueError, match=r"from the argument is not valid JSON"):
+        cluster.parse_tf_config("{cluster: nope}")
+
+
+def test_parse_not_json_names_environment_variable(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "not json")
+    with pytest.raises(ValueError, match=r"TF_CONFIG environment variable .* JSON"):
+        cluster.parse_tf_config()
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"worker"', "3"])
+def test_parse_not_an_object(text):
+    with pytest.raises(ValueError, match=r"must be a JSON object"):
+        cluster.parse_tf_config(text)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"cluster": {}}, {"cluster": ["localhost:1"]}, {"task": {"type": "worker"}}],
+)
+def test_parse_missing_cluster(config):
+    with pytest.raises(ValueError, match=r"has no `cluster`"):
+        cluster.parse_tf_config(json.dumps(config))
+
+
+def test_parse_unknown_task_type_in_cluster():
+    with pytest.raises(ValueError, match=r"unknown task type 'master'"):
+        cluster.parse_tf_config(_tf_config({"master": ["localhost:1"]}))
+
+
+@pytest.mark.parametrize("addresses", [[], "localhost:1", None])
+def test_parse_addresses_must_be_non_empty_list(addresses):
+    with pytest.raises(ValueError, match=r"cluster\['worker'\] must be a non-empty"):
+        cluster.parse_tf_config(_tf_config({"worker": addresses}))
+
+
+@pytest.mark.parametrize("address", ["localhost", 2222, ""])
+def test_parse_address_without_port(address):
+    with pytest.raises(ValueError, match=r"not a 'host:port' string"):
+        cluster.parse_tf_config(_tf_config({"worker": [address]}))
+
+
+@pytest.mark.parametrize("address", ["localhost:http", "localhost:0", "h:65536"])
+def test_parse_address_with_bad_port(address):
+    with pytest.raises(ValueError, match=r"has no valid port \(1-65535\)"):
+        cluster.parse_tf_config(_tf_config({"worker": [address]}))
+
+
+def test_parse_two_chiefs():
+    spec = {"chief": ["localhost:1", "localhost:2"], "worker": ["localhost:3"]}
+    with pytest.raises(ValueError, match=r"at most one `chief`"):
+        cluster.parse_tf_config(_tf_config(spec))
+
+
+def test_parse_task_not_an_object():
+    with pytest.raises(ValueError, match=r"`task` must be an object"):
+        cluster.parse_tf_config(_tf_config(SPEC, task=["worker", 0]))
+
+
+def test_parse_unknown_task_type_in_task():
+    with pytest.raises(ValueError, match=r"task type 'master' is unknown"):
+        cluster.parse_tf_config(_tf_config(SPEC, {"type": "master", "index": 0}))
+
+
+@pytest.mark.parametrize("index", ["0", 1.0, True])
+def test_parse_task_index_must_be_integer(index):
+    with pytest.raises(ValueError, match=r"task index must be an integer"):
+        cluster.parse_tf_config(_tf_config(SPEC, {"type": "worker", "index": index}))
+
+
+@pytest.mark.parametrize("index", [2, -1])
+def test_parse_task_index_out_of_range(index):
+    with pytest.raises(ValueError, match=r"out of range for 'worker'.*0\.\.1"):
+        cluster.parse_tf_config(_tf_config(SPEC, {"type": "worker", "index": index}))
+
+
+def test_parse_task_type_not_in_cluster():
+    with pytest.raises(ValueError, match=r"task type 'ps' is not in its cluster"):
+        cluster.parse_tf_config(_tf_config(SPEC, {"type": "ps", "index": 0}))
+
+
+def test_parse_evaluator_outside_cluster_is_allowed():
+    text = _tf_config(SPEC, {"type": "evaluator", "index": 0})
+    assert cluster.parse_tf_config(text)["task"]["type"] == "evaluator"
+
+
+def test_parse_evaluator_inside_cluster_is_checked():
+    spec = dict(SPEC, evaluator=["localhost:4000"])
+    assert cluster.parse_tf_config(_tf_config(spec, {"type": "evaluator"}))
+    with pytest.raises(ValueError, match=r"out of range for 'evaluator'"):
+        cluster.parse_tf_config(_tf_config(spec, {"type": "evaluator", "index": 1}))
+
+
+def test_num_training_tasks():
+    assert cluster.num_training_tasks(None) == 0
+    assert cluster.num_training_tasks({"cluster": SPEC}) == 3
+    spec = {"worker": ["a:1"], "ps": ["b:1", "c:1"], "evaluator": ["d:1"]}
+    assert cluster.num_training_tasks({"cluster": spec}) == 1
+
+
+def test_free_ports_are_distinct_and_bindable():
+    ports = cluster.free_ports(5)
+    assert len(set(ports)) == 5
+    for port in ports:
+        assert 0 < port < 65536
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5, "2", True])
+def test_free_ports_rejects_bad_count(count):
+    with pytest.raises(ValueError, match=r"`count` must be an integer >= 1"):
+        cluster.free_ports(count)
+
+
+def test_local_cluster_workers_only():
+    spec = cluster.local_cluster(workers=3)
+    assert list(spec) == ["worker"]
+    assert len(spec["worker"]) == 3
+    assert all(address.startswith("localhost:") for address in spec["worker"])
+
+
+def test_local_cluster_full_layout_has_distinct_ports():
+    spec = cluster.local_cluster(workers=2, ps=2, chief=True, host="127.0.0.1")
+    assert {name: len(tasks) for name, tasks in spec.items()} == {
+        "chief": 1,
+        "worker": 2,
+        "ps": 2,
+    }
+    addresses = [address for tasks in spec.values() for address in tasks]
+    assert len(set(addresses)) == 5
+    assert all(address.startswith("127.0.0.1:") for address in addresses)
+
+
+def test_local_cluster_chief_without_workers():
+    spec = cluster.local_cluster(workers=0, chief=True)
+    assert list(spec) == ["chief"]
+
+
+def test_local_cluster_needs_a_training_task():
+    with pytest.raises(ValueError, match=r"`workers` must be >= 1"):
+        cluster.local_cluster(workers=0)
+    with pytest.raises(ValueError, match=r"`workers` must be >= 0"):
+        cluster.local_cluster(workers=-1, chief=True)
+
+
+@pytest.mark.parametrize("workers", [2.0, "2", True])
+def test_local_cluster_rejects_non_int_workers(workers):
+    with pytest.raises(TypeError, match=r"`workers` must be an int"):
+        cluster.local_cluster(workers=workers)
+
+
+@pytest.mark.parametrize("ps", [-1, 1.0, True])
+def test_local_cluster_rejects_bad_ps(ps):
+    with pytest.raises(ValueError, match=r"`ps` must be an integer >= 0"):
+        cluster.local_cluster(workers=1, ps=ps)
+
+
+@pytest.mark.parametrize(
+    ("task_type", "task_index"), [("chief", 0), ("worker", 0), ("worker", 1)]
+)
+def test_make_tf_config_round_trip(task_type, task_index):
+    spec = cluster.local_cluster(workers=2, chief=True)
+    text = cluster.make_tf_config(spec, task_type, task_index)
+    assert cluster.parse_tf_config(text) == {
+        "cluster": spec,
+        "task": {"type": task_type, "index": task_index},
+    }
+
+
+def test_make_tf_config_validates():
+    spec = cluster.local_cluster(workers=2)
+    with pytest.raises(ValueError, match=r"out of range"):
+        cluster.make_tf_config(spec, "worker", 2)
+    with pytest.raises(ValueError, match=r"not in its cluster"):
+        cluster.make_tf_config(spec, "chief", 0)
