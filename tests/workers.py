@@ -48,10 +48,10 @@ def distributed_fit(optimizer_names, epochs=2, batch_size=16, clip=False):
     )
     results = {}
     for name in optimizer_names:
-        optimizer = OPTIMIZERS[name]()
-        if clip:
-            optimizer = keras.optimizers.SGD(0.5, global_clipnorm=0.05)
         with strategy.scope():
+            optimizer = OPTIMIZERS[name]()
+            if clip:
+                optimizer = keras.optimizers.SGD(0.5, global_clipnorm=0.05)
             model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
         history = model.fit(dataset, epochs=epochs, verbose=0)
         results[name] = {
