@@ -1,0 +1,647 @@
+"""The `keras-dist` command line: `launch`, `env` and `demo`.
+
+`keras-dist launch` simulates a multi-worker cluster on one machine: it gives
+every task a free localhost port, starts one process per task with its own
+`TF_CONFIG`, and merges their output with a `[worker:1]`-style prefix on every
+line. It is the quickest way to run a `MultiWorkerMirroredStrategy` or
+`ParameterServerStrategy` script for real before it goes to a cluster.
+
+Example:
+
+```shell
+keras-dist launch --workers 2 -- python train.py --epochs 3
+keras-dist launch --workers 2 --ps 1 --chief -- python train_ps.py
+keras-dist env
+keras-dist demo --help
+```
+
+This module imports TensorFlow only inside the commands that need it (`env`,
+`demo` and the parameter-server tasks): launching needs none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+from keras_dist import cluster as cluster_lib
+
+PROG = "keras-dist"
+TASK_ENV_VAR = "KERAS_DIST_TASK"
+DEFAULT_GRACE_PERIOD = 5.0
+# Internal subcommand that runs a parameter-server task; hidden from `--help`.
+PS_SERVER_COMMAND = "_ps-server"
+
+# Seconds to wait for a finished task's last output lines before moving on.
+_READER_JOIN_TIMEOUT = 2.0
+_POLL_INTERVAL = 0.05
+_EXIT_INTERRUPTED = 130
+_EXIT_CANNOT_START = 127
+_PS_SERVER_ARGS = ("-m", "keras_dist", PS_SERVER_COMMAND)
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the `keras-dist` command line.
+
+    Args:
+        argv: Sequence of strings or `None`. The arguments without the program
+            name; `None` reads `sys.argv[1:]`. Defaults to `None`.
+
+    Returns:
+        The exit status: `0` on success, `2` for a usage error, `130` when
+        interrupted, otherwise the status of what failed (for `launch`, the
+        exit code of the first task that failed).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first `--` belongs to the user's command, whatever
+    # it looks like, so it is split off before argparse sees it.
+    if "--" in argv:
+        split = argv.index("--")
+        argv, trailing = argv[:split], argv[split + 1 :]
+    else:
+        trailing = None
+    parser = _build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if args.command == "demo":
+            passthrough = extra + (["--", *trailing] if trailing is not None else [])
+            return _run_demo(passthrough)
+        if extra:
+            (getattr(args, "subparser", None) or parser).error(
+                f"unrecognized arguments: {' '.join(extra)}"
+            )
+        if args.command is None:
+            parser.error(
+                f"a command is required: launch, env or demo (see `{PROG} --help`)."
+            )
+        if args.command == "launch":
+            command = list(args.user_command)
+            if trailing is not None:
+                if command:
+                    args.subparser.error(
+                        "give the command after `--` only. Received: "
+                        f"{' '.join(command)} -- {' '.join(trailing)}"
+                    )
+                command = trailing
+            if not command:
+                args.subparser.error(
+                    "no command to launch. Put it after `--`, e.g. "
+                    f"`{PROG} launch --workers 2 -- python train.py`."
+                )
+            return launch(
+                command,
+                workers=args.workers,
+                ps=args.ps,
+                chief=args.chief,
+                host=args.host,
+                grace_period=args.grace_period,
+            )
+        if trailing is not None:
+            args.subparser.error(
+                f"`{args.command}` takes no command after `--`. "
+                f"Received: -- {' '.join(trailing)}"
+            )
+        if args.command == "env":
+            return _run_env()
+        return _run_ps_server()
+    except _UsageExit as usage_exit:
+        return usage_exit.status
+    except KeyboardInterrupt:
+        return _EXIT_INTERRUPTED
+
+
+def launch(
+    command: Sequence[str],
+    workers: int,
+    ps: int = 0,
+    chief: bool = False,
+    host: str = "localhost",
+    grace_period: float = DEFAULT_GRACE_PERIOD,
+    environ: Mapping[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Runs `command` as every chief and worker task of a local cluster.
+
+    Each task is one process started with its own `TF_CONFIG` (and
+    `KERAS_DIST_TASK`, e.g. `"worker:1"`) and `PYTHONUNBUFFERED=1`. Its stdout
+    and stderr are merged and every line is written to `stdout` as it comes,
+    prefixed with the task name: `[worker:1] ...`. Parameter-server tasks do
+    not run `command`: each runs a TensorFlow gRPC server until the training
+    tasks are done, and is then stopped.
+
+    The first training task that fails stops all the others (SIGTERM, then
+    SIGKILL after `grace_period` seconds). A parameter server that exits while
+    training tasks still run is a failure too. Every task runs in its own
+    process group, so whatever it starts is stopped with it.
+
+    Args:
+        command: Sequence of strings. The program and its arguments, e.g.
+            `["python", "train.py"]`.
+        workers: Int. Number of `worker` tasks, >= 1.
+        ps: Int. Number of parameter-server tasks. Defaults to `0`.
+        chief: Bool. Whether to add a `chief` task that also runs `command`.
+            Defaults to `False`.
+        host: String. Host name written into the cluster addresses. Defaults
+            to `"localhost"`.
+        grace_period: Float. Seconds between SIGTERM and SIGKILL when tasks
+            are stopped. Defaults to `5.0`.
+        environ: Mapping or `None`. Base environment for the tasks; `None`
+            uses `os.environ`. Defaults to `None`.
+        stdout: Text stream or `None`. Where the prefixed task output goes;
+            `None` means `sys.stdout`. Defaults to `None`.
+        stderr: Text stream or `None`. Where the launcher's own messages go;
+            `None` means `sys.stderr`. Defaults to `None`.
+
+    Returns:
+        `0` when every chief and worker task exited with status 0; otherwise
+        the exit status of the first task that failed (`128 + N` for a task
+        killed by signal N), `127` when `command` could not be started, `130`
+        after Ctrl-C and `143` after SIGTERM.
+
+    Raises:
+        ValueError: `command` is empty or a count is out of range.
+
+    Example:
+
+    ```python
+    from keras_dist.cli import launch
+
+    status = launch(["python", "train.py"], workers=2)  # like the CLI
+    ```
+    """
+    command = list(command)
+    if not command:
+        raise ValueError("`command` must name a program to run. Received: command=[].")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(
+            f"`workers` must be an integer >= 1. Received: workers={workers!r}."
+        )
+    if grace_period < 0:
+        raise ValueError(
+            "`grace_period` must be >= 0 seconds. "
+            f"Received: grace_period={grace_period!r}."
+        )
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    spec = cluster_lib.local_cluster(workers=workers, ps=ps, chief=chief, host=host)
+    base_env = dict(os.environ if environ is None else environ)
+    write_lock = threading.Lock()
+    tasks: list[_Task] = []
+    previous_sigterm = _install_sigterm_handler()
+    try:
+        # Parameter servers first: the training tasks connect to them.
+        for task_type in ("ps", "chief", "worker"):
+            for index in range(len(spec.get(task_type, []))):
+                env = dict(base_env)
+                if task_type == "ps":
+                    task_command = [sys.executable, *_PS_SERVER_ARGS]
+                    # This very keras_dist must be importable in the server,
+                    # installed or not.
+                    env["PYTHONPATH"] = os.pathsep.join(
+                        filter(None, [_PACKAGE_PARENT, env.get("PYTHONPATH")])
+                    )
+                else:
+                    task_command = command
+                env["TF_CONFIG"] = cluster_lib.make_tf_config(spec, task_type, index)
+                env[TASK_ENV_VAR] = f"{task_type}:{index}"
+                env["PYTHONUNBUFFERED"] = "1"
+                try:
+                    task = _start_task(task_type, index, task_command, env)
+                except OSError as error:
+                    _say(err, f"cannot start {' '.join(task_command)!r}: {error}.")
+                    return _EXIT_CANNOT_START
+                task.reader = threading.Thread(
+                    target=_pump_output,
+                    args=(task, out, write_lock),
+                    name=f"keras-dist-{task.name}",
+                    daemon=True,
+                )
+                task.reader.start()
+                tasks.append(task)
+        return _wait_for_tasks(tasks, err)
+    except KeyboardInterrupt:
+        _say(err, "interrupted; stopping all tasks.")
+        return _EXIT_INTERRUPTED
+    except _Terminated:
+        _say(err, "received SIGTERM; stopping all tasks.")
+        return 128 + signal.SIGTERM
+    finally:
+        # Stopping is bounded by `grace_period`; a SIGTERM now must not cut it
+        # short and leave tasks behind.
+        _ignore_sigterm_if_installed(previous_sigterm)
+        _stop_tasks(tasks, grace_period)
+        for task in tasks:
+            task.reader.join(timeout=_READER_JOIN_TIMEOUT)
+        _restore_sigterm_handler(previous_sigterm)
+
+
+@dataclasses.dataclass
+class _Task:
+    task_type: str
+    index: int
+    process: subprocess.Popen
+    reader: threading.Thread | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.task_type}:{self.index}"
+
+
+class _Terminated(Exception):
+    """The launcher itself received SIGTERM."""
+
+
+class _UsageExit(Exception):
+    """argparse wants to exit; `main` returns the status instead."""
+
+    def __init__(self, status: int):
+        super().__init__(status)
+        self.status = status
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose exits become `_UsageExit`, so `main` returns."""
+
+    def exit(self, status=0, message=None):
+        if message:
+            self._print_message(message, sys.stderr)
+        raise _UsageExit(status)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _ArgumentParser(
+        prog=PROG,
+        description="Distributed training for Keras 3 on TensorFlow.",
+    )
+    parser.add_argument("--version", action="version", version=_version_text())
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="{launch,env,demo}", parser_class=_ArgumentParser
+    )
+
+    launch_parser = subparsers.add_parser(
+        "launch",
+        help="run a command as every task of a local multi-worker cluster",
+        description=(
+            "Simulate a multi-worker cluster on this machine: run COMMAND once "
+            "per chief/worker task, each with its own TF_CONFIG on a free "
+            "localhost port, and prefix every output line with the task name. "
+            "Parameter-server tasks run a TensorFlow server instead."
+        ),
+        usage=(
+            f"{PROG} launch --workers N [--ps M] [--chief] [--host HOST] "
+            "[--grace-period SECONDS] -- COMMAND [ARG ...]"
+        ),
+    )
+    launch_parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        required=True,
+        metavar="N",
+        help="number of worker tasks (>= 1)",
+    )
+    launch_parser.add_argument(
+        "--ps",
+        type=_non_negative_int,
+        default=0,
+        metavar="M",
+        help="number of parameter-server tasks (default: 0)",
+    )
+    launch_parser.add_argument(
+        "--chief",
+        action="store_true",
+        help="add a chief task, which also runs COMMAND",
+    )
+    launch_parser.add_argument(
+        "--host",
+        default="localhost",
+        help="host name written into the cluster addresses (default: localhost)",
+    )
+    launch_parser.add_argument(
+        "--grace-period",
+        type=_non_negative_float,
+        default=DEFAULT_GRACE_PERIOD,
+        metavar="SECONDS",
+        help=(
+            "seconds between SIGTERM and SIGKILL when stopping tasks "
+            f"(default: {DEFAULT_GRACE_PERIOD:g})"
+        ),
+    )
+    launch_parser.add_argument(
+        "user_command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS
+    )
+    launch_parser.set_defaults(subparser=launch_parser)
+
+    env_parser = subparsers.add_parser(
+        "env",
+        help="print versions, devices and the strategy keras_dist would pick",
+        description=(
+            "Print the Python, TensorFlow and Keras versions, the visible "
+            "devices, the strategy `keras_dist.auto_strategy` would pick here "
+            "and why, and the GPU memory-growth state."
+        ),
+    )
+    env_parser.set_defaults(subparser=env_parser)
+
+    demo_parser = subparsers.add_parser(
+        "demo",
+        help="run the keras_dist demo (arguments go to the demo)",
+        add_help=False,
+    )
+    demo_parser.set_defaults(subparser=demo_parser)
+
+    ps_parser = subparsers.add_parser(PS_SERVER_COMMAND)
+    ps_parser.set_defaults(subparser=ps_parser)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = _parse_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 1. Received: {text!r}."
+        )
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _parse_int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 0. Received: {text!r}."
+        )
+    return value
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer. Received: {text!r}."
+        ) from None
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds. Received: {text!r}."
+        ) from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0. Received: {text!r}.")
+    return value
+
+
+def _version_text() -> str:
+    from keras_dist import __version__
+
+    return f"{PROG} {__version__}"
+
+
+def _say(stream: IO[str], message: str) -> None:
+    print(f"{PROG}: {message}", file=stream, flush=True)
+
+
+def _start_task(
+    task_type: str, index: int, command: list[str], env: dict[str, str]
+) -> _Task:
+    process = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        # Own process group: the launcher stops a task with everything it
+        # started, and a terminal's Ctrl-C reaches only the launcher, which
+        # then stops the tasks in order.
+        start_new_session=os.name == "posix",
+    )
+    return _Task(task_type, index, process)
+
+
+def _pump_output(task: _Task, out: IO[str], lock: threading.Lock) -> None:
+    prefix = f"[{task.name}] "
+    stream = task.process.stdout
+    try:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            with lock:
+                out.write(prefix + line + "\n")
+                out.flush()
+    finally:
+        stream.close()
+
+
+def _wait_for_tasks(tasks: list[_Task], err: IO[str]) -> int:
+    """Waits for the training tasks; returns the launcher's exit status."""
+    training = [task for task in tasks if task.task_type != "ps"]
+    servers = [task for task in tasks if task.task_type == "ps"]
+    while training:
+        for task in list(training):
+            code = task.process.poll()
+            if code is None:
+                continue
+            training.remove(task)
+            # Let its last lines out before any message about it.
+            task.reader.join(timeout=_READER_JOIN_TIMEOUT)
+            if code != 0:
+                _say(
+                    err,
+                    f"task {task.name} failed with {_describe_exit(code)}; "
+                    "stopping the other tasks.",
+                )
+                return _exit_status(code)
+        for server in servers:
+            code = server.process.poll()
+            if code is not None:
+                server.reader.join(timeout=_READER_JOIN_TIMEOUT)
+                _say(
+                    err,
+                    f"parameter server {server.name} stopped with "
+                    f"{_describe_exit(code)} while training tasks were still "
+                    "running; stopping the other tasks.",
+                )
+                return _exit_status(code) or 1
+        time.sleep(_POLL_INTERVAL)
+    return 0
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"exit code {_exit_status(code)} (killed by {name})"
+    return f"exit code {code}"
+
+
+def _exit_status(code: int) -> int:
+    # Popen reports death by signal N as -N; shells report 128 + N.
+    return 128 - code if code < 0 else code
+
+
+def _stop_tasks(tasks: list[_Task], grace_period: float) -> None:
+    running = [task for task in tasks if task.process.poll() is None]
+    try:
+        for task in running:
+            _send_signal(task.process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_period
+        for task in running:
+            try:
+                task.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _send_signal(task.process, _SIGKILL)
+                task.process.wait()
+    except KeyboardInterrupt:
+        # A second Ctrl-C while stopping: do not wait any longer.
+        for task in running:
+            if task.process.poll() is None:
+                _send_signal(task.process, _SIGKILL)
+                task.process.wait()
+        raise
+
+
+_SIGKILL = getattr(signal, "SIGKILL", signal.SIGTERM)
+
+
+def _send_signal(process: subprocess.Popen, signum: int) -> None:
+    # Only called while `process` is unreaped, so its pid (= its process
+    # group id) cannot have been reused.
+    try:
+        if os.name == "posix":
+            os.killpg(process.pid, signum)
+        else:
+            process.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+_NOT_INSTALLED = object()
+
+
+def _install_sigterm_handler():
+    """Turns SIGTERM into `_Terminated`; returns the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return _NOT_INSTALLED
+
+    def handler(signum, frame):
+        raise _Terminated()
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _ignore_sigterm_if_installed(previous) -> None:
+    if previous is not _NOT_INSTALLED:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _restore_sigterm_handler(previous) -> None:
+    if previous is not _NOT_INSTALLED:
+        # `None` means a handler not installed from Python; the default is
+        # the closest thing to put back.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _run_ps_server() -> int:
+    """Runs this process's parameter-server task from `TF_CONFIG` until killed."""
+    try:
+        config = cluster_lib.parse_tf_config()
+    except ValueError as error:
+        _say(sys.stderr, str(error))
+        return 2
+    task = (config or {}).get("task") or {}
+    if task.get("type") != "ps":
+        _say(
+            sys.stderr,
+            f"`{PS_SERVER_COMMAND}` runs a parameter-server task and needs "
+            "TF_CONFIG with task type 'ps'. Received: "
+            f"TF_CONFIG={os.environ.get('TF_CONFIG', '')!r}. It is started by "
+            f"`{PROG} launch --ps M`.",
+        )
+        return 2
+    import tensorflow as tf
+
+    index = task.get("index", 0)
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(config["cluster"]),
+        job_name="ps",
+        task_index=index,
+        protocol="grpc",
+        start=True,
+    )
+    address = config["cluster"]["ps"][index]
+    print(
+        f"parameter server ps:{index} listening on {address} (pid {os.getpid()})",
+        flush=True,
+    )
+    server.join()
+    return 0
+
+
+def _run_demo(argv: list[str]) -> int:
+    from keras_dist import demo
+
+    try:
+        status = demo.main(argv)
+    except SystemExit as exit_request:
+        # The demo parses its own arguments; its exits become return values.
+        status = exit_request.code
+    if status is None or isinstance(status, int):
+        return status or 0
+    print(status, file=sys.stderr)
+    return 1
+
+
+def _run_env() -> int:
+    import keras
+    import tensorflow as tf
+
+    from keras_dist import __version__
+    from keras_dist import memory as memory_lib
+    from keras_dist import strategy as strategy_lib
+
+    print(f"keras_dist:    {__version__}")
+    print(
+        f"Python:        {platform.python_version()} "
+        f"({platform.python_implementation()}, {platform.platform()})"
+    )
+    print(f"TensorFlow:    {tf.__version__}")
+    print(f"Keras:         {keras.__version__} (backend: {keras.backend.backend()})")
+    for kind in ("CPU", "GPU"):
+        devices = tf.config.list_physical_devices(kind)
+        names = ", ".join(device.name for device in devices) or "none"
+        print(f"{kind} devices:   {len(devices)} ({names})")
+    tf_config = os.environ.get("TF_CONFIG", "").strip()
+    print(f"TF_CONFIG:     {tf_config or 'not set'}")
+    status = 0
+    try:
+        choice = strategy_lib.describe_choice()
+    except ValueError as error:
+        print(f"Strategy:      cannot decide: {error}")
+        status = 1
+    else:
+        resolver = f" (resolver: {choice.resolver})" if choice.resolver else ""
+        print(f"Strategy:      {choice.name}{resolver}")
+        print(f"  because:     {choice.reason}")
+    growth = memory_lib.memory_growth_state()
+    if growth:
+        states = ", ".join(
+            f"{name}: {'on' if enabled else 'off'}" for name, enabled in growth.items()
+        )
+    else:
+        states = "n/a (no GPU visible)"
+    print(f"Memory growth: {states}")
+    return status

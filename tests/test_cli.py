@@ -1,0 +1,347 @@
+"""Tests for the `keras-dist` command line, with real processes.
+
+Most `launch` tests call `cli.main` in the test process (the launcher itself
+is then free, the tasks are real processes); the tests that need the launcher
+to be a process of its own (`python -m keras_dist`, SIGINT) start it as one.
+"""
+
+import ast
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from keras_dist import cli
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Generous: a process that imports TensorFlow takes ~10 s on 2 busy cores.
+PROCESS_TIMEOUT = 120
+
+
+def _write_script(tmp_path, name, source):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def _task_lines(output, task):
+    prefix = f"[{task}] "
+    return [
+        line[len(prefix) :] for line in output.splitlines() if line.startswith(prefix)
+    ]
+
+
+def _wait_for_files(paths, timeout, process=None):
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(path) for path in paths):
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"launcher exited early with {process.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {paths}")
+        time.sleep(0.05)
+
+
+def _is_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_gone(pid, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while _is_alive(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"process {pid} is still running")
+        time.sleep(0.05)
+
+
+def _run_module(args, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "keras_dist", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT,
+        **kwargs,
+    )
+
+
+# Writes its pid to <dir>/<task>.pid (atomically), then sleeps.
+SLEEPER = """
+    import os, sys, time
+    task = os.environ["KERAS_DIST_TASK"].replace(":", "_")
+    path = os.path.join(sys.argv[1], task + ".pid")
+    with open(path + ".tmp", "w") as handle:
+        handle.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+    print("ready", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_launch_prefixes_lines_and_gives_each_worker_its_tf_config(tmp_path, capsys):
+    script = _write_script(
+        tmp_path,
+        "show.py",
+        """
+        import os, sys
+        print(os.environ["TF_CONFIG"])
+        print("task", os.environ["KERAS_DIST_TASK"], file=sys.stderr)
+        """,
+    )
+
+    status = cli.main(["launch", "--workers", "2", "--", sys.executable, script])
+
+    output = capsys.readouterr().out
+    assert status == 0
+    configs = []
+    for index in range(2):
+        lines = _task_lines(output, f"worker:{index}")
+        assert f"task worker:{index}" in lines, output
+        config = json.loads(next(line for line in lines if line.startswith("{")))
+        assert config["task"] == {"type": "worker", "index": index}
+        configs.append(config)
+    assert configs[0]["cluster"] == configs[1]["cluster"]
+    addresses = configs[0]["cluster"]["worker"]
+    assert len(addresses) == 2
+    assert len({address.rsplit(":", 1)[1] for address in addresses}) == 2
+    assert all(
+        line.startswith(("[worker:0] ", "[worker:1] ")) for line in output.splitlines()
+    )
+
+
+def test_launch_with_chief_runs_the_command_as_chief_too(tmp_path, capsys):
+    script = _write_script(
+        tmp_path,
+        "show.py",
+        """
+        import json, os
+        config = json.loads(os.environ["TF_CONFIG"])
+        print(sorted(config["cluster"]), config["task"]["type"])
+        """,
+    )
+
+    status = cli.main(
+        ["launch", "--workers", "1", "--chief", "--", sys.executable, script]
+    )
+
+    output = capsys.readouterr().out
+    assert status == 0
+    assert _task_lines(output, "chief:0") == ["['chief', 'worker'] chief"]
+    assert _task_lines(output, "worker:0") == ["['chief', 'worker'] worker"]
+
+
+def test_failing_worker_stops_the_others_and_sets_the_exit_code(tmp_path, capsys):
+    # worker:0 fails once worker:1 is surely running; worker:1 would sleep 60 s.
+    failer = """
+        import os, sys, time
+        if os.environ["KERAS_DIST_TASK"] == "worker:0":
+            other = os.path.join(sys.argv[1], "worker_1.pid")
+            while not os.path.exists(other):
+                time.sleep(0.02)
+            print("giving up", flush=True)
+            sys.exit(3)
+    """
+    script = _write_script(
+        tmp_path,
+        "fail_or_sleep.py",
+        textwrap.dedent(failer) + textwrap.dedent(SLEEPER),
+    )
+
+    start = time.monotonic()
+    status = cli.main(
+        ["launch", "--workers", "2", "--", sys.executable, script, str(tmp_path), "60"]
+    )
+    elapsed = time.monotonic() - start
+
+    captured = capsys.readouterr()
+    assert status == 3
+    assert elapsed < 20
+    assert "[worker:0] giving up" in captured.out
+    assert "worker:0 failed with exit code 3" in captured.err
+    _wait_gone(int((tmp_path / "worker_1.pid").read_text()), timeout=1.0)
+
+
+def test_unstartable_command_exits_127(capsys):
+    status = cli.main(["launch", "--workers", "1", "--", "no-such-program-kd"])
+
+    assert status == 127
+    assert "cannot start" in capsys.readouterr().err
+
+
+def test_launch_rejects_an_empty_command():
+    with pytest.raises(ValueError, match="`command` must name a program"):
+        cli.launch([], workers=1)
+
+
+def test_ps_task_serves_until_the_workers_finish(tmp_path, capsys):
+    # The worker waits until the parameter server's gRPC port accepts
+    # connections, so the server really started.
+    script = _write_script(
+        tmp_path,
+        "reach_ps.py",
+        """
+        import json, os, socket, time
+        config = json.loads(os.environ["TF_CONFIG"])
+        host, port = config["cluster"]["ps"][0].rsplit(":", 1)
+        deadline = time.monotonic() + 100
+        while True:
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        print("reached ps")
+        """,
+    )
+
+    status = cli.main(
+        ["launch", "--workers", "1", "--ps", "1", "--", sys.executable, script]
+    )
+
+    output = capsys.readouterr().out
+    assert status == 0, output
+    assert "reached ps" in _task_lines(output, "worker:0")
+    listening = [line for line in _task_lines(output, "ps:0") if "listening on" in line]
+    assert listening, output
+    _wait_gone(int(re.search(r"\(pid (\d+)\)", listening[0]).group(1)), timeout=1.0)
+
+
+def test_module_launcher_stops_its_tasks_on_sigint(tmp_path):
+    script = _write_script(tmp_path, "sleeper.py", SLEEPER)
+    command = [sys.executable, script, str(tmp_path), "60"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_dist", "launch", "--workers=2", "--", *command],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pid_files = [str(tmp_path / f"worker_{index}.pid") for index in range(2)]
+        _wait_for_files(pid_files, PROCESS_TIMEOUT, launcher)
+        pids = [int(pathlib.Path(path).read_text()) for path in pid_files]
+        assert all(_is_alive(pid) for pid in pids)
+
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+
+    assert launcher.returncode == 130, err
+    assert "interrupted" in err
+    assert "[worker:0] ready" in out and "[worker:1] ready" in out
+    for pid in pids:
+        _wait_gone(pid, timeout=5.0)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "a command is required"),
+        (["bogus"], "invalid choice"),
+        (["launch", "--workers", "2"], "no command to launch"),
+        (["launch", "--workers", "2", "--"], "no command to launch"),
+        (["launch", "--workers", "0", "--", "true"], "must be an integer >= 1"),
+        (["launch", "--workers", "two", "--", "true"], "must be an integer"),
+        (["launch", "--workers", "1", "--ps", "-1", "--", "true"], ">= 0"),
+        (["launch", "--workers", "1", "--bogus", "--", "true"], "--bogus"),
+        (["launch", "--", "true"], "--workers"),
+        (["env", "--", "true"], "takes no command"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
+    status = cli.main(argv)
+
+    captured = capsys.readouterr()
+    assert status == 2
+    assert "usage:" in captured.err
+    assert message in captured.err
+
+
+def test_help_returns_0(capsys):
+    assert cli.main(["launch", "--help"]) == 0
+    assert "--workers N" in capsys.readouterr().out
+
+
+def test_env_prints_versions_devices_and_strategy():
+    env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
+    result = _run_module(["env"], env=env)
+
+    assert result.returncode == 0, result.stderr
+    import keras
+    import tensorflow as tf
+
+    assert f"TensorFlow:    {tf.__version__}" in result.stdout
+    assert f"Keras:         {keras.__version__}" in result.stdout
+    assert "Python:" in result.stdout
+    assert "CPU devices:" in result.stdout
+    assert re.search(r"^Strategy: +\w+Strategy", result.stdout, re.MULTILINE)
+    assert "because:" in result.stdout
+    assert "Memory growth:" in result.stdout
+
+
+def test_env_reports_a_malformed_tf_config(monkeypatch, capsys):
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["localhost:x"]}}')
+
+    status = cli.main(["env"])
+
+    out = capsys.readouterr().out
+    assert status == 1
+    assert re.search(r"^Strategy: +cannot decide: .*no valid port", out, re.MULTILINE)
+    assert "Memory growth:" in out
+
+
+def test_cli_module_imports_no_framework_at_top_level():
+    # The launcher process must stay light: TensorFlow and Keras are imported
+    # inside the commands that need them.
+    tree = ast.parse(pathlib.Path(cli.__file__).read_text())
+    imported = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert not imported & {"tensorflow", "keras", "numpy"}
+
+
+MULTIWORKER_SCRIPT = """
+    import json, os
+    import tensorflow as tf
+
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+    @tf.function
+    def all_reduce():
+        value = strategy.run(lambda: tf.constant(index + 1.0))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+
+    print(f"replicas={strategy.num_replicas_in_sync} sum={float(all_reduce())}")
+"""
+
+
+@pytest.mark.multiworker
+def test_launch_runs_a_real_multi_worker_all_reduce(tmp_path, capsys):
+    script = _write_script(tmp_path, "all_reduce.py", MULTIWORKER_SCRIPT)
+
+    status = cli.main(["launch", "--workers", "2", "--", sys.executable, script])
+
+    output = capsys.readouterr().out
+    assert status == 0, output
+    for index in range(2):
+        assert "replicas=2 sum=3.0" in _task_lines(output, f"worker:{index}"), output

@@ -1,0 +1,365 @@
+"""GradientAccumulationOptimizer: equivalence with the big batch, communication
+only on update steps, schedules, carry-over, mixed precision, saving, errors."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import workers
+from conftest import mirrored
+from helpers import OPTIMIZERS, compile_model, make_data, max_abs_diff, mlp
+
+import keras_dist
+from keras_dist.compression import AllReduceHook
+from keras_dist.compression.base import all_reduce_sum
+from keras_dist.testing import run_workers
+
+ACCUMULATION_OPTIMIZERS = {
+    **OPTIMIZERS,
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "adam_clip": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1),
+    "adamw_clip": lambda: keras.optimizers.AdamW(
+        0.01, weight_decay=0.1, global_clipnorm=0.1
+    ),
+}
+
+
+class CountingHook(AllReduceHook):
+    """Plain sum that counts, at run time, how often each replica reduces."""
+
+    def build(self, variables):
+        super().build(variables)
+        self.reductions = tf.Variable(
+            0,
+            dtype=tf.int64,
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
+        self.traces = 0
+
+    def reduce(self, gradients, variables):
+        self.traces += 1
+        self.reductions.assign_add(1)
+        return all_reduce_sum(gradients)
+
+
+def big_batch_reference(optimizer_name, batch_size, epochs=2, steps=None):
+    x, y = make_data()
+    if steps is not None:
+        x, y = x[: steps * batch_size], y[: steps * batch_size]
+    model = compile_model(mlp(), ACCUMULATION_OPTIMIZERS[optimizer_name]())
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def accumulated_model(strategy, optimizer_name, steps, cls=keras_dist.DistributedModel):
+    with strategy.scope():
+        optimizer = keras_dist.GradientAccumulationOptimizer(
+            ACCUMULATION_OPTIMIZERS[optimizer_name](), accumulation_steps=steps
+        )
+        return compile_model(mlp(cls), optimizer)
+
+
+# --- Equivalence ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer_name", sorted(ACCUMULATION_OPTIMIZERS))
+def test_mirrored_accumulation_equals_big_batch(optimizer_name):
+    # k=2 micro-steps of 8 per replica on 2 replicas == one step of 32.
+    reference = big_batch_reference(optimizer_name, batch_size=32)
+    x, y = make_data()
+    model = accumulated_model(mirrored(2), optimizer_name, steps=2)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
+    assert int(model.optimizer.iterations.numpy()) == 4
+    assert int(model.optimizer.micro_steps.numpy()) == 8
+
+
+@pytest.mark.parametrize("optimizer_name", ["momentum", "adamw_clip"])
+def test_plain_keras_model_accumulation_equals_big_batch(optimizer_name):
+    reference = big_batch_reference(optimizer_name, batch_size=32)
+    x, y = make_data()
+    model = accumulated_model(mirrored(2), optimizer_name, steps=2, cls=keras.Model)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
+
+
+def test_default_strategy_accumulation_equals_big_batch():
+    reference = big_batch_reference("adam", batch_size=32)
+    x, y = make_data()
+    model = accumulated_model(tf.distribute.get_strategy(), "adam", steps=4)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
+
+
+@pytest.mark.multiworker
+def test_multi_worker_accumulation_equals_big_batch():
+    results = run_workers(
+        workers.accumulated_fit, num_workers=2, args=("adam", 2, 8), timeout=300
+    )
+    reference = big_batch_reference("adam", batch_size=32)
+    for worker in results:
+        assert max_abs_diff(reference.get_weights(), worker["weights"]) < 1e-5
+        assert worker["iterations"] == 4
+        assert worker["micro_steps"] == 8
+
+
+# --- Communication --------------------------------------------------------------
+
+
+def test_exactly_one_reduction_per_update():
+    x, y = make_data()
+    hook = CountingHook()
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = mlp(keras_dist.DistributedModel, seed=1)
+        model.register_all_reduce_hook(hook)
+        optimizer = keras_dist.GradientAccumulationOptimizer(
+            keras.optimizers.SGD(0.1), accumulation_steps=4
+        )
+        compile_model(model, optimizer)
+    # 64 samples / 16 per step = 4 micro-steps per epoch, 3 epochs.
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert int(optimizer.micro_steps.numpy()) == 12
+    assert int(optimizer.iterations.numpy()) == 3
+    # Summed over the 2 replicas: one reduction per replica per update.
+    assert int(hook.reductions.numpy()) == 2 * 3
+
+
+# --- Schedules, carry-over, changing k --------------------------------------------
+
+
+def test_schedule_advances_per_update():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.5)
+    x, y = make_data()
+    reference = compile_model(mlp(), keras.optimizers.SGD(schedule))
+    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    model = compile_model(
+        mlp(),
+        keras_dist.GradientAccumulationOptimizer(
+            keras.optimizers.SGD(schedule), accumulation_steps=4
+        ),
+    )
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    # The schedule was evaluated at update 0 and 1, as with the big batch.
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.025)
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+
+
+def test_partial_accumulation_is_carried_over():
+    x, y = make_data()
+    reference = compile_model(mlp(), OPTIMIZERS["sgd"]())
+    reference.fit(x[:32], y[:32], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    model = accumulated_model(mirrored(2), "sgd", steps=4)
+    initial = model.get_weights()
+    # 3 of 4 micro-steps: nothing applied yet, the cycle is pending.
+    model.fit(x[:24], y[:24], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.pending_micro_steps.numpy()) == 3
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert max_abs_diff(initial, model.get_weights()) == 0
+    # The next fit completes the cycle with its first micro-step.
+    model.fit(x[24:32], y[24:32], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert int(model.optimizer.pending_micro_steps.numpy()) == 0
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+
+
+def test_reset_accumulation_discards_pending_gradients():
+    x, y = make_data()
+    model = accumulated_model(mirrored(2), "sgd", steps=4)
+    model.fit(x[:16], y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.pending_micro_steps.numpy()) == 2
+    model.optimizer.reset_accumulation()
+    assert int(model.optimizer.pending_micro_steps.numpy()) == 0
+    reference = compile_model(mlp(), OPTIMIZERS["sgd"]())
+    reference.fit(x[16:48], y[16:48], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    model.fit(x[16:48], y[16:48], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+
+
+def test_changing_steps_during_fit_does_not_retrace():
+    x, y = make_data(n=96)
+    hook = CountingHook()
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = mlp(keras_dist.DistributedModel)
+        model.register_all_reduce_hook(hook)
+        optimizer = keras_dist.GradientAccumulationOptimizer(
+            keras.optimizers.SGD(0.1), accumulation_steps=1
+        )
+        compile_model(model, optimizer)
+
+    class GrowSteps(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.optimizer.accumulation_steps = 3
+
+    # Epoch 1: 6 micro-steps with k=1 -> 6 updates. Epoch 2: k=3 -> 2 updates.
+    model.fit(x, y, batch_size=16, epochs=2, callbacks=[GrowSteps()], verbose=0)
+    assert int(optimizer.iterations.numpy()) == 8
+    assert optimizer.accumulation_steps == 3
+    assert hook.traces == 2  # one trace, one per replica: no retrace
+    assert optimizer.get_config()["accumulation_steps"] == 3
+
+
+# --- Mixed precision ------------------------------------------------------------------
+
+
+def test_mixed_float16_puts_loss_scaling_inside_accumulation():
+    x, y = make_data()
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        reference = compile_model(mlp(), OPTIMIZERS["sgd"]())
+        reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        model = accumulated_model(mirrored(2), "sgd", steps=2)
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        plain = accumulated_model(mirrored(2), "sgd", steps=2, cls=keras.Model)
+        plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    optimizer = model.optimizer
+    assert isinstance(optimizer, keras_dist.GradientAccumulationOptimizer)
+    assert isinstance(optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer)
+    assert all(np.isfinite(history.history["loss"]))
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-3
+    # A plain keras.Model keeps Keras's order: LossScaleOptimizer outside.
+    assert isinstance(plain.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert max_abs_diff(reference.get_weights(), plain.get_weights()) < 1e-3
+
+
+# --- Serialization ---------------------------------------------------------------------
+
+
+def test_config_round_trip():
+    optimizer = keras_dist.GradientAccumulationOptimizer(
+        keras.optimizers.AdamW(0.01, weight_decay=0.2),
+        accumulation_steps=3,
+        all_reduce_hook=keras_dist.compression.NoCompression(),
+        name="acc",
+    )
+    config = optimizer.get_config()
+    assert set(config) == {
+        "name",
+        "inner_optimizer",
+        "accumulation_steps",
+        "all_reduce_hook",
+    }
+    clone = keras_dist.GradientAccumulationOptimizer.from_config(config)
+    assert clone.accumulation_steps == 3
+    assert clone.name == "acc"
+    assert isinstance(clone.inner_optimizer, keras.optimizers.AdamW)
+    assert clone.inner_optimizer.weight_decay == pytest.approx(0.2)
+    assert isinstance(clone.all_reduce_hook, keras_dist.compression.NoCompression)
+    revived = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(optimizer)
+    )
+    assert isinstance(revived, keras_dist.GradientAccumulationOptimizer)
+
+
+def test_keras_file_mid_accumulation_resumes_the_cycle(tmp_path):
+    x, y = make_data()
+    reference = compile_model(mlp(), OPTIMIZERS["adam"]())
+    reference.fit(x[:32], y[:32], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    model = accumulated_model(tf.distribute.get_strategy(), "adam", steps=4)
+    model.fit(x[:16], y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    path = tmp_path / "mid.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded.optimizer, keras_dist.GradientAccumulationOptimizer)
+    assert int(loaded.optimizer.pending_micro_steps.numpy()) == 2
+    loaded.fit(x[16:32], y[16:32], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(loaded.optimizer.iterations.numpy()) == 1
+    assert max_abs_diff(reference.get_weights(), loaded.get_weights()) < 1e-6
+
+
+def test_checkpoint_mid_accumulation_restores_on_two_replicas(tmp_path):
+    x, y = make_data()
+    reference = compile_model(mlp(), OPTIMIZERS["momentum"]())
+    reference.fit(x[:32], y[:32], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    first = accumulated_model(mirrored(2), "momentum", steps=2)
+    first.fit(x[:16], y[:16], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    accumulators = first.optimizer._accumulators
+    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(
+        str(tmp_path / "ckpt")
+    )
+    strategy = mirrored(2)
+    second = accumulated_model(strategy, "momentum", steps=2)
+    with strategy.scope():
+        second.optimizer.build(second.trainable_variables)
+    tf.train.Checkpoint(model=second, optimizer=second.optimizer).restore(
+        path
+    ).assert_existing_objects_matched()
+    assert int(second.optimizer.pending_micro_steps.numpy()) == 1
+    np.testing.assert_allclose(
+        accumulators[0].numpy(), second.optimizer._accumulators[0].numpy(), atol=1e-7
+    )
+    second.fit(x[16:32], y[16:32], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert max_abs_diff(reference.get_weights(), second.get_weights()) < 1e-6
+
+
+# --- Hooks and bad input --------------------------------------------------------------
+
+
+def test_hook_given_to_optimizer_is_used_by_plain_model():
+    x, y = make_data()
+    hook = CountingHook()
+    with mirrored(2).scope():
+        optimizer = keras_dist.GradientAccumulationOptimizer(
+            keras.optimizers.SGD(0.1), accumulation_steps=2, all_reduce_hook=hook
+        )
+        model = compile_model(mlp(), optimizer)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert int(hook.reductions.numpy()) == 2 * 2
+
+
+def test_hooks_on_model_and_optimizer_conflict():
+    x, y = make_data()
+    with mirrored(2).scope():
+        model = mlp(keras_dist.DistributedModel)
+        model.register_all_reduce_hook(CountingHook())
+        compile_model(
+            model,
+            keras_dist.GradientAccumulationOptimizer(
+                keras.optimizers.SGD(0.1), all_reduce_hook=CountingHook()
+            ),
+        )
+    with pytest.raises(ValueError, match="Set the hook in one place"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"accumulation_steps": 0}, ValueError, "accumulation_steps=0"),
+        ({"accumulation_steps": 2.5}, TypeError, "accumulation_steps=2.5"),
+        ({"accumulation_steps": True}, TypeError, "accumulation_steps=True"),
+        ({"clipnorm": 1.0}, ValueError, "Set `clipnorm` on the `inner_optimizer`"),
+        ({"unknown": 1}, ValueError, "does not support arguments: `unknown`"),
+        ({"all_reduce_hook": "fp16"}, TypeError, "all_reduce_hook='fp16'"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        keras_dist.GradientAccumulationOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def test_bad_inner_optimizer():
+    with pytest.raises(TypeError, match="inner_optimizer='adam'"):
+        keras_dist.GradientAccumulationOptimizer("adam")
+    once = keras_dist.GradientAccumulationOptimizer(keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="already accumulates"):
+        keras_dist.GradientAccumulationOptimizer(once)
+    with pytest.raises(ValueError, match="keras-team/keras#20582"):
+        keras_dist.GradientAccumulationOptimizer(
+            keras.optimizers.SGD(gradient_accumulation_steps=2)
+        )
+
+
+def test_state_before_build_is_a_clear_error():
+    optimizer = keras_dist.GradientAccumulationOptimizer(keras.optimizers.SGD())
+    with pytest.raises(RuntimeError, match="needs a built optimizer"):
+        optimizer.micro_steps  # noqa: B018
+    with pytest.raises(TypeError, match="accumulation_steps='4'"):
+        optimizer.accumulation_steps = "4"

@@ -1,0 +1,90 @@
+"""Tests for `keras_dist.testing.run_workers`, with real worker processes."""
+
+import functools
+import json
+import os
+import time
+
+import pytest
+
+from keras_dist.testing import WorkerError, run_workers
+
+# The functions below run in the worker processes, which import this module by
+# name: they must stay at module level.
+
+
+def all_reduce_task_index():
+    import tensorflow as tf
+
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+    @tf.function
+    def all_reduce():
+        value = strategy.run(lambda: tf.constant(index + 1.0))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+
+    return index, strategy.num_replicas_in_sync, float(all_reduce())
+
+
+def raise_in_worker(message):
+    raise ValueError(message)
+
+
+def sleep_forever():
+    time.sleep(600)
+
+
+@pytest.mark.multiworker
+def test_two_workers_all_reduce_to_the_same_value():
+    results = run_workers(all_reduce_task_index, num_workers=2, timeout=150)
+
+    assert results == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_worker_exception_carries_the_worker_traceback():
+    with pytest.raises(WorkerError) as info:
+        run_workers(raise_in_worker, num_workers=1, args=("boom from the worker",))
+
+    message = str(info.value)
+    assert "worker 0 of 1 exited with code 1" in message
+    assert "Traceback" in message
+    assert "in raise_in_worker" in message
+    assert "ValueError: boom from the worker" in message
+
+
+def test_hanging_worker_times_out():
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="timed out"):
+        run_workers(sleep_forever, num_workers=2, timeout=2)
+    assert time.monotonic() - start < 10
+
+
+def test_lambda_is_rejected():
+    with pytest.raises(ValueError, match="must be a module-level function"):
+        run_workers(lambda: 1)
+
+
+def test_local_function_is_rejected():
+    def local():
+        return 1
+
+    with pytest.raises(ValueError, match="must be a module-level function"):
+        run_workers(local)
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(TypeError, match="`fn` must be callable"):
+        run_workers("all_reduce_task_index")
+    with pytest.raises(ValueError, match="`num_workers` must be an integer >= 1"):
+        run_workers(sleep_forever, num_workers=0)
+
+
+@pytest.mark.xfail(
+    raises=AttributeError,
+    strict=True,
+    reason="run_workers reads fn.__qualname__, which functools.partial lacks",
+)
+def test_partial_is_rejected_with_a_clear_error():
+    with pytest.raises(ValueError, match="module-level function"):
+        run_workers(functools.partial(raise_in_worker, "x"))
