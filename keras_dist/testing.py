@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,10 +77,12 @@ def run_workers(
     """
     if not callable(fn):
         raise TypeError(f"`fn` must be callable. Received: fn={fn!r}.")
-    if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
+    qualname = getattr(fn, "__qualname__", None)
+    if qualname is None or "<locals>" in qualname or "<lambda>" in qualname:
         raise ValueError(
             "`fn` must be a module-level function so the worker processes can "
-            f"import it. Received: fn={fn.__qualname__!r}."
+            f"import it by name. Received: fn={fn!r}. Wrap partial arguments "
+            "into `args`/`kwargs` instead."
         )
     if not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(
@@ -95,7 +98,7 @@ def run_workers(
         job = {
             "module": fn.__module__,
             "module_file": module_file,
-            "qualname": fn.__qualname__,
+            "qualname": qualname,
             "args": tuple(args),
             "kwargs": dict(kwargs or {}),
             "sys_path": list(sys.path),
@@ -127,6 +130,8 @@ def run_workers(
         failed = _wait_all(procs, timeout)
         if failed is not None:
             index, reason = failed
+            # Stop the others before reading the logs they share offsets with.
+            _kill_all(procs)
             raise WorkerError(
                 f"worker {index} of {num_workers} {reason}.\n"
                 f"{_describe(workdir, index, logs[index])}"
@@ -137,12 +142,17 @@ def run_workers(
                 results.append(pickle.load(handle)["value"])
         return results
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        _kill_all(procs)
         for log in logs:
             log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _kill_all(procs):
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def _wait_all(procs, timeout):
@@ -188,13 +198,13 @@ def _child_main(job_path: str) -> int:
     try:
         fn = _import_function(job)
         value = fn(*job["args"], **job["kwargs"])
-        payload = {"value": value}
+        data = pickle.dumps({"value": value})
         code = 0
     except BaseException:
-        payload = {"traceback": traceback.format_exc()}
+        data = pickle.dumps({"traceback": traceback.format_exc()})
         code = 1
     with open(job["result"], "wb") as handle:
-        pickle.dump(payload, handle)
+        handle.write(data)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: TensorFlow's collective threads can block it.
@@ -202,14 +212,20 @@ def _child_main(job_path: str) -> int:
 
 
 def _import_function(job):
+    name = job["module"]
     try:
-        module = importlib.import_module(job["module"])
+        if name == "__main__":
+            # The caller's script; here `__main__` is this module. Loaded under
+            # another name, its `if __name__ == "__main__":` block stays idle.
+            raise ImportError(name)
+        module = importlib.import_module(name)
     except ImportError:
         if not job["module_file"]:
             raise
-        spec = importlib.util.spec_from_file_location(job["module"], job["module_file"])
+        name = "__keras_dist_main__" if name == "__main__" else name
+        spec = importlib.util.spec_from_file_location(name, job["module_file"])
         module = importlib.util.module_from_spec(spec)
-        sys.modules[job["module"]] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
     target = module
     for part in job["qualname"].split("."):

@@ -45,7 +45,7 @@ class RecordingHook(AllReduceHook):
         return all_reduce_sum(gradients)
 
 
-# --- Forms --------------------------------------------------------------------
+# --- Forms ---
 
 
 def test_functional_form_returns_functional_subclass():
@@ -168,7 +168,7 @@ def test_from_model_keras_application_trains_on_two_replicas():
     assert max_abs_diff(before, base.get_weights()) > 0
 
 
-# --- Equivalence ----------------------------------------------------------------
+# --- Equivalence ---
 
 
 @pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
@@ -319,7 +319,7 @@ def test_custom_training_loop_with_strategy_run():
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
 
 
-# --- Hooks ----------------------------------------------------------------------
+# --- Hooks ---
 
 
 def test_hook_sees_per_replica_gradients_and_is_used():
@@ -370,7 +370,7 @@ def _io():
     return inputs, keras.layers.Dense(3)(hidden)
 
 
-# --- Saving ---------------------------------------------------------------------
+# --- Saving ---
 
 
 @pytest.mark.parametrize("form", ["functional", "subclass", "wrapped"])
@@ -431,7 +431,7 @@ def test_config_keeps_custom_hook():
     assert clone.all_reduce_hook.label == "abc"
 
 
-# --- Multi-worker -------------------------------------------------------------
+# --- Multi-worker ---
 
 
 @pytest.mark.multiworker
@@ -485,7 +485,7 @@ def test_multi_worker_clipping_equals_single_device():
         assert max_abs_diff(reference.get_weights(), worker["sgd"]["weights"]) < 1e-5
 
 
-# --- Bad input ------------------------------------------------------------------
+# --- Bad input ---
 
 
 def test_hook_must_be_a_hook_instance():

@@ -61,7 +61,7 @@ def accumulated_model(strategy, optimizer_name, steps, cls=keras_dist.Distribute
         return compile_model(mlp(cls), optimizer)
 
 
-# --- Equivalence ----------------------------------------------------------------
+# --- Equivalence ---
 
 
 @pytest.mark.parametrize("optimizer_name", sorted(ACCUMULATION_OPTIMIZERS))
@@ -105,7 +105,7 @@ def test_multi_worker_accumulation_equals_big_batch():
         assert worker["micro_steps"] == 8
 
 
-# --- Communication --------------------------------------------------------------
+# --- Communication ---
 
 
 def test_exactly_one_reduction_per_update():
@@ -127,7 +127,7 @@ def test_exactly_one_reduction_per_update():
     assert int(hook.reductions.numpy()) == 2 * 3
 
 
-# --- Schedules, carry-over, changing k --------------------------------------------
+# --- Schedules, carry-over, changing k ---
 
 
 def test_schedule_advances_per_update():
@@ -203,7 +203,7 @@ def test_changing_steps_during_fit_does_not_retrace():
     assert optimizer.get_config()["accumulation_steps"] == 3
 
 
-# --- Mixed precision ------------------------------------------------------------------
+# --- Mixed precision ---
 
 
 def test_mixed_float16_puts_loss_scaling_inside_accumulation():
@@ -229,7 +229,7 @@ def test_mixed_float16_puts_loss_scaling_inside_accumulation():
     assert max_abs_diff(reference.get_weights(), plain.get_weights()) < 1e-3
 
 
-# --- Serialization ---------------------------------------------------------------------
+# --- Serialization ---
 
 
 def test_config_round_trip():
@@ -299,7 +299,7 @@ def test_checkpoint_mid_accumulation_restores_on_two_replicas(tmp_path):
     assert max_abs_diff(reference.get_weights(), second.get_weights()) < 1e-6
 
 
-# --- Hooks and bad input --------------------------------------------------------------
+# --- Hooks and bad input ---
 
 
 def test_hook_given_to_optimizer_is_used_by_plain_model():

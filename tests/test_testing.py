@@ -80,11 +80,6 @@ def test_bad_arguments_are_rejected():
         run_workers(sleep_forever, num_workers=0)
 
 
-@pytest.mark.xfail(
-    raises=AttributeError,
-    strict=True,
-    reason="run_workers reads fn.__qualname__, which functools.partial lacks",
-)
 def test_partial_is_rejected_with_a_clear_error():
     with pytest.raises(ValueError, match="module-level function"):
         run_workers(functools.partial(raise_in_worker, "x"))
