@@ -1,0 +1,306 @@
+"""`keras-dist demo`: train a small CNN on several logical CPU replicas.
+
+Runs offline on scikit-learn's bundled digits data (1,797 8x8 images) and
+compares configurations side by side: 1 replica, N replicas, N replicas with
+gradient accumulation, and N replicas with gradient compression. Prints one
+table (test accuracy, samples/s, bytes each replica sends per step,
+compression ratio) and writes it as JSON and as a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+
+DEFAULT_OUT = "keras_dist_demo"
+
+
+@dataclasses.dataclass
+class Result:
+    """One configuration's outcome."""
+
+    name: str
+    replicas: int
+    accumulation_steps: int
+    hook: str
+    test_accuracy: float
+    samples_per_second: float
+    bytes_per_step: int
+    compression_ratio: float
+    seconds: float
+
+
+def default_replicas() -> int:
+    """Logical CPU replicas to use: 2 to 4, following the core count."""
+    return max(2, min(4, os.cpu_count() or 2))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="keras-dist demo",
+        description=(
+            "Train a small CNN on scikit-learn's digits with keras_dist on "
+            "logical CPU replicas and compare configurations."
+        ),
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="logical CPU replicas (default: 2-4 following the core count)",
+    )
+    parser.add_argument("--epochs", type=int, default=8, help="epochs per run")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="global batch size (default 64)"
+    )
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})"
+    )
+    parser.add_argument(
+        "--verbose",
+        type=int,
+        default=2,
+        choices=(0, 1, 2),
+        help="Keras fit verbosity (default 2: one line per epoch)",
+    )
+    args = parser.parse_args(argv)
+    if args.replicas is not None and args.replicas < 1:
+        parser.error(f"--replicas must be >= 1. Received: {args.replicas}.")
+    if args.epochs < 1 or args.batch_size < 1:
+        parser.error("--epochs and --batch-size must be >= 1.")
+    replicas = args.replicas or default_replicas()
+    if args.batch_size % (2 * replicas):
+        parser.error(
+            f"--batch-size must be divisible by 2 x replicas ({2 * replicas}) so "
+            f"the accumulation run can halve it. Received: {args.batch_size}."
+        )
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        print(
+            "keras-dist demo needs scikit-learn for its bundled digits data: "
+            "pip install 'keras-dist[demo]'",
+            file=sys.stderr,
+        )
+        return 1
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    # Raises when TensorFlow is already initialised (demo called from Python):
+    # then the devices that exist are checked below.
+    with contextlib.suppress(RuntimeError):
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * replicas
+        )
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:replicas]
+    if len(devices) < replicas:
+        print(
+            f"Only {len(devices)} CPU devices exist; run the demo in a fresh process.",
+            file=sys.stderr,
+        )
+        return 1
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype("float32")[..., None]
+    y = digits.target.astype("int32")
+    order = tf.random.experimental.stateless_shuffle(
+        tf.range(len(x)), seed=[0, 1]
+    ).numpy()
+    x, y = x[order], y[order]
+    split = int(0.8 * len(x))
+    data = (x[:split], y[:split], x[split:], y[split:])
+
+    configurations = _configurations(replicas)
+    print(
+        f"keras_dist demo: digits {split} train / {len(x) - split} test, "
+        f"global batch {args.batch_size}, {args.epochs} epochs, "
+        f"{replicas} logical CPU replicas\n"
+    )
+    results = []
+    for name, num_replicas, steps, hook_factory in configurations:
+        print(f"--- {name}")
+        results.append(
+            _run(
+                name,
+                devices[:num_replicas],
+                steps,
+                hook_factory,
+                data,
+                args.batch_size,
+                args.epochs,
+                args.verbose,
+            )
+        )
+    table = format_table(results)
+    print("\n" + table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as handle:
+        json.dump(
+            {
+                "command": "keras-dist demo " + " ".join(argv or sys.argv[2:]),
+                "replicas": replicas,
+                "epochs": args.epochs,
+                "batch_size": args.batch_size,
+                "results": [dataclasses.asdict(r) for r in results],
+            },
+            handle,
+            indent=2,
+        )
+    with open(os.path.join(args.out, "results.md"), "w") as handle:
+        handle.write(table + "\n")
+    plot = _plot(results, os.path.join(args.out, "results.png"))
+    written = "results.json, results.md" + (", results.png" if plot else "")
+    print(f"\nWrote {written} to {args.out}/")
+    return 0
+
+
+def _configurations(replicas):
+    from keras_dist import compression
+
+    configs = [
+        ("1 replica", 1, 1, None),
+        (f"{replicas} replicas", replicas, 1, None),
+        (f"{replicas} replicas, accumulation x2", replicas, 2, None),
+    ]
+    optional = [("FP16", "FP16", {}), ("PowerSGD", "PowerSGD", {"rank": 2})]
+    for label, class_name, kwargs in optional:
+        cls = getattr(compression, class_name, None)
+        if cls is not None:
+            configs.append(
+                (
+                    f"{replicas} replicas, {label}" + (" rank 2" if kwargs else ""),
+                    replicas,
+                    1,
+                    lambda cls=cls, kwargs=kwargs: cls(**kwargs),
+                )
+            )
+    return configs
+
+
+def build_cnn(cls):
+    """The demo's small CNN for 8x8x1 digits, in `cls`'s functional form."""
+    import keras
+
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+    h = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(h)
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(128, activation="relu")(h)
+    outputs = keras.layers.Dense(10)(h)
+    return cls(inputs, outputs)
+
+
+def _run(name, devices, steps, hook_factory, data, batch_size, epochs, verbose):
+    import keras
+    import tensorflow as tf
+
+    import keras_dist
+
+    x_train, y_train, x_test, y_test = data
+    if len(devices) == 1:
+        strategy = tf.distribute.OneDeviceStrategy(devices[0])
+    else:
+        strategy = tf.distribute.MirroredStrategy(
+            devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
+    keras.utils.set_random_seed(0)
+    hook = hook_factory() if hook_factory else None
+    with strategy.scope():
+        model = build_cnn(keras_dist.DistributedModel)
+        if hook is not None:
+            model.register_all_reduce_hook(hook)
+        optimizer = keras.optimizers.Adam(1e-3)
+        if steps > 1:
+            optimizer = keras_dist.GradientAccumulationOptimizer(
+                optimizer, accumulation_steps=steps
+            )
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    micro_batch = batch_size // steps
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x_train, y_train))
+        .shuffle(len(x_train), seed=0)
+        .batch(micro_batch, drop_remainder=True)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    # The first epoch traces the train function; time the others.
+    model.fit(dataset, epochs=1, verbose=verbose)
+    start = time.perf_counter()
+    if epochs > 1:
+        model.fit(dataset, initial_epoch=1, epochs=epochs, verbose=verbose)
+    seconds = time.perf_counter() - start
+    seen = (epochs - 1) * (len(x_train) // micro_batch) * micro_batch
+    _, accuracy = model.evaluate(x_test, y_test, batch_size=batch_size, verbose=0)
+    stats = model.all_reduce_hook.stats()
+    per_update = stats.sent_bytes if len(devices) > 1 else 0
+    return Result(
+        name=name,
+        replicas=len(devices),
+        accumulation_steps=steps,
+        hook=type(model.all_reduce_hook).__name__,
+        test_accuracy=float(accuracy),
+        samples_per_second=seen / seconds if seconds > 0 else float("nan"),
+        bytes_per_step=int(per_update / steps),
+        compression_ratio=float(stats.ratio) if len(devices) > 1 else 1.0,
+        seconds=seconds,
+    )
+
+
+def format_table(results) -> str:
+    """Returns the results as a markdown table."""
+    lines = [
+        "| configuration | test accuracy | samples/s | bytes sent per step "
+        "(per replica) | compression |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.name} | {r.test_accuracy:.3f} | {r.samples_per_second:,.0f} | "
+            f"{r.bytes_per_step:,} | {r.compression_ratio:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+def _plot(results, path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [r.name for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = [
+        ("test accuracy", [r.test_accuracy for r in results]),
+        ("samples / s", [r.samples_per_second for r in results]),
+        ("KiB sent per step per replica", [r.bytes_per_step / 1024 for r in results]),
+    ]
+    for axis, (title, values) in zip(axes, panels):
+        axis.barh(names, values, color="#4878a8")
+        axis.set_title(title)
+        axis.invert_yaxis()
+        for index, value in enumerate(values):
+            axis.text(value, index, f" {value:,.3g}", va="center", fontsize=8)
+    for axis in axes[1:]:
+        axis.set_yticklabels([])
+    fig.suptitle("keras-dist demo: small CNN on digits")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())
