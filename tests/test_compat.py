@@ -60,6 +60,10 @@ def test_trainer_private_members_exist():
     assert hasattr(model, "_loss_tracker")
     assert isinstance(model._call_has_training_arg, bool)
     assert hasattr(model, "_distribute_strategy")
+    assert _compat._needs_symbolic_build(model)
+    model.build((None, 2))
+    model._symbolic_build(data_batch=(tf.zeros((1, 2)), tf.zeros((1, 1))))
+    assert not _compat._needs_symbolic_build(model)
     assert callable(loss_module.unscale_loss_for_distribution)
 
 
