@@ -289,6 +289,14 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
 
     # --- Distributed train / test functions ---------------------------------
 
+    def fit(self, *args, **kwargs):
+        self._check_strategy()
+        return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        self._check_strategy()
+        return super().evaluate(*args, **kwargs)
+
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
