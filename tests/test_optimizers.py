@@ -95,14 +95,17 @@ def test_default_strategy_accumulation_equals_big_batch():
 
 @pytest.mark.multiworker
 def test_multi_worker_accumulation_equals_big_batch():
+    names = sorted(ACCUMULATION_OPTIMIZERS)
     results = run_workers(
-        workers.accumulated_fit, num_workers=2, args=("adam", 2, 8), timeout=300
+        workers.accumulated_fit, num_workers=2, args=(names, 2, 8), timeout=400
     )
-    reference = big_batch_reference("adam", batch_size=32)
-    for worker in results:
-        assert max_abs_diff(reference.get_weights(), worker["weights"]) < 1e-5
-        assert worker["iterations"] == 4
-        assert worker["micro_steps"] == 8
+    for name in names:
+        reference = big_batch_reference(name, batch_size=32)
+        for worker in results:
+            got = worker[name]
+            assert max_abs_diff(reference.get_weights(), got["weights"]) < 1e-5, name
+            assert got["iterations"] == 4
+            assert got["micro_steps"] == 8
 
 
 # --- Communication ---

@@ -63,13 +63,26 @@ def distributed_fit(optimizer_names, epochs=2, batch_size=16, clip=False):
     return results
 
 
-def accumulated_fit(optimizer_name, accumulation_steps, micro_batch, epochs=2):
-    """GradientAccumulationOptimizer with DistributedModel, multi-worker."""
+def accumulated_fit(optimizer_names, accumulation_steps, micro_batch, epochs=2):
+    """GradientAccumulationOptimizer with DistributedModel, multi-worker.
+
+    Returns a dict per optimizer name (keys of `ACCUMULATION_OPTIMIZERS` in
+    tests/test_optimizers.py, rebuilt here without importing that module).
+    """
+    import keras
     import tensorflow as tf
     from helpers import OPTIMIZERS, compile_model, make_data, mlp
 
     import keras_dist
 
+    factories = {
+        **OPTIMIZERS,
+        "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+        "adam_clip": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.1),
+        "adamw_clip": lambda: keras.optimizers.AdamW(
+            0.01, weight_decay=0.1, global_clipnorm=0.1
+        ),
+    }
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     x, y = make_data()
     options = tf.data.Options()
@@ -82,14 +95,17 @@ def accumulated_fit(optimizer_name, accumulation_steps, micro_batch, epochs=2):
         .batch(global_micro)
         .with_options(options)
     )
-    with strategy.scope():
-        optimizer = keras_dist.GradientAccumulationOptimizer(
-            OPTIMIZERS[optimizer_name](), accumulation_steps=accumulation_steps
-        )
-        model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
-    model.fit(dataset, epochs=epochs, verbose=0)
-    return {
-        "weights": model.get_weights(),
-        "iterations": int(optimizer.iterations.numpy()),
-        "micro_steps": int(optimizer.micro_steps.numpy()),
-    }
+    results = {}
+    for name in optimizer_names:
+        with strategy.scope():
+            optimizer = keras_dist.GradientAccumulationOptimizer(
+                factories[name](), accumulation_steps=accumulation_steps
+            )
+            model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
+        model.fit(dataset, epochs=epochs, verbose=0)
+        results[name] = {
+            "weights": model.get_weights(),
+            "iterations": int(optimizer.iterations.numpy()),
+            "micro_steps": int(optimizer.micro_steps.numpy()),
+        }
+    return results
