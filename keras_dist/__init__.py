@@ -1,14 +1,19 @@
 """keras_dist: distributed training for Keras 3 on TensorFlow that works.
 
 Importing this package builds no strategy, touches no GPU and prints nothing.
-It checks that Keras is configured for the TensorFlow backend and loads the
-rest on first use, so `keras-dist launch` starts its tasks without paying for
-a TensorFlow import.
+It checks that Keras is configured for the TensorFlow backend, then imports
+its Keras pieces so that their serializable classes are registered (a
+`.keras` file with a `DistributedModel` loads after `import keras_dist`).
+Only the `keras-dist` command line (`keras-dist ...`, `python -m
+keras_dist ...`) skips that import: the launcher starts its tasks without
+paying for a TensorFlow import, and its subcommands import what they use.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING
 
 from keras_dist._backend import check_backend
@@ -55,3 +60,14 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
+
+
+def _is_command_line() -> bool:
+    # While `python -m keras_dist` locates the package, sys.argv[0] is "-m".
+    argv = getattr(sys, "argv", None) or [""]
+    return argv[0] == "-m" or os.path.basename(argv[0]) == "keras-dist"
+
+
+if not _is_command_line():
+    for _name in ("compression", "optimizers", "models"):
+        importlib.import_module(f"keras_dist.{_name}")

@@ -213,3 +213,14 @@ def add_replica_local_variable(optimizer, reference, name):
         )
     optimizer._track_variable(variable)
     return variable
+
+
+def track_checkpoint_dependency(owner, name, trackable) -> None:
+    """Makes `trackable` a named checkpoint dependency of `owner`.
+
+    The all-reduce hook is kept out of Keras's layer tracking on purpose (it
+    must not appear in `model.layers` or `model.weights`), so it is added to
+    the TensorFlow checkpoint graph directly, with the private
+    `Trackable._track_trackable`.
+    """
+    owner._track_trackable(trackable, name=name, overwrite=True)

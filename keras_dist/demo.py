@@ -169,7 +169,10 @@ def _configurations(replicas):
         (f"{replicas} replicas", replicas, 1, None),
         (f"{replicas} replicas, accumulation x2", replicas, 2, None),
     ]
-    optional = [("FP16", "FP16", {}), ("PowerSGD", "PowerSGD", {"rank": 2})]
+    optional = [
+        ("FP16", "FP16", {}),
+        ("PowerSGD", "PowerSGD", {"rank": 2, "start_step": 10}),
+    ]
     for label, class_name, kwargs in optional:
         cls = getattr(compression, class_name, None)
         if cls is not None:

@@ -14,6 +14,7 @@ from keras_dist.optimizers import GradientAccumulationOptimizer
 
 logger = logging.getLogger(__name__)
 
+_HOOK_STATE_PREFIX = "all_reduce_hook_state_"
 _UNSUPPORTED_STRATEGIES = (tf.distribute.experimental.ParameterServerStrategy,)
 
 
@@ -89,6 +90,9 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         # Plain attribute on purpose: the hook is not a layer, so it must not
         # show up in `model.layers`, summaries or weight lists.
         object.__setattr__(self, "_keras_dist_hook", _aggregation.check_hook(hook))
+        # The hook's per-replica state (error feedback, warm-start factors)
+        # is saved with `tf.train.Checkpoint(model=...)`.
+        _compat.track_checkpoint_dependency(self, "all_reduce_hook", hook)
 
     @property
     def all_reduce_hook(self) -> AllReduceHook:
@@ -178,7 +182,14 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
             warnings.warn(
                 "The model does not have any trainable weights.", stacklevel=2
             )
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        metrics = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if not isinstance(self.all_reduce_hook, NoCompression):
+            # Shown by fit's progress bar and recorded in History.
+            metrics = {
+                **metrics,
+                "compression_ratio": self.all_reduce_hook.compression_ratio(),
+            }
+        return metrics
 
     def apply_gradients(self, gradients, variables):
         """Sums `gradients` over replicas with the hook, then applies them once.
@@ -403,6 +414,37 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         return keras.tree.map_structure(reduce_value, outputs)
 
     # --- Serialization --------------------------------------------------------
+
+    def save_own_variables(self, store):
+        # `.keras` files, `save_weights`, ModelCheckpoint and BackupAndRestore
+        # carry the hook's state too. "sum" state is saved as the sum over
+        # replicas, "first" state as replica 0's copy (see AllReduceHook).
+        super().save_own_variables(store)
+        if self.all_reduce_hook.built:
+            for index, variable in enumerate(self.all_reduce_hook.state_variables):
+                store[f"{_HOOK_STATE_PREFIX}{index}"] = variable.numpy()
+
+    def load_own_variables(self, store):
+        # Keras's weight stores offer `keys()` but not always iteration.
+        names = list(store.keys())
+        keys = [key for key in names if key.startswith(_HOOK_STATE_PREFIX)]
+        if not keys:
+            super().load_own_variables(store)
+            return
+        super().load_own_variables(
+            {k: store[k] for k in names if not k.startswith(_HOOK_STATE_PREFIX)}
+        )
+        self.build_all_reduce_hook()
+        state = self.all_reduce_hook.state_variables
+        if len(state) != len(keys):
+            raise ValueError(
+                f"The saved all-reduce hook state has {len(keys)} variables but "
+                f"the model's hook {self.all_reduce_hook!r} has {len(state)}. "
+                "Load the weights into a model with the same hook (or call "
+                "`register_all_reduce_hook` with it before loading)."
+            )
+        for index, variable in enumerate(state):
+            variable.assign(store[f"{_HOOK_STATE_PREFIX}{index}"])
 
     def get_config(self):
         config = super().get_config()

@@ -571,3 +571,48 @@ def test_parameter_server_strategy_is_refused_with_a_clear_error(tmp_path):
         result.stdout
     )
     assert "keras#18624" in result.stdout
+
+
+def test_compression_ratio_is_in_the_logs():
+    x, y = make_data()
+    with mirrored(2).scope():
+        model = compile_model(
+            keras_dist.DistributedModel(
+                *_io(), all_reduce_hook=keras_dist.compression.FP16()
+            ),
+            OPTIMIZERS["sgd"](),
+        )
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    assert history.history["compression_ratio"] == [2.0, 2.0]
+
+
+def test_hook_state_is_saved_and_restored(tmp_path):
+    x, y = make_data()
+    hook = keras_dist.compression.PowerSGD(rank=1, start_step=0, min_compression_rate=1)
+    model = compile_model(
+        keras_dist.DistributedModel(*_io(), all_reduce_hook=hook), OPTIMIZERS["sgd"]()
+    )
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    saved = [v.numpy() for v in hook.state_variables]
+    assert any(np.any(s != 0) for s in saved)
+
+    path = tmp_path / "powersgd.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    restored = [v.numpy() for v in loaded.all_reduce_hook.state_variables]
+    assert len(restored) == len(saved)
+    for a, b in zip(saved, restored):
+        np.testing.assert_array_equal(a, b)
+
+    checkpoint = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    fresh_hook = keras_dist.compression.PowerSGD(
+        rank=1, start_step=0, min_compression_rate=1
+    )
+    fresh = compile_model(
+        keras_dist.DistributedModel(*_io(), all_reduce_hook=fresh_hook),
+        OPTIMIZERS["sgd"](),
+    )
+    fresh.build_all_reduce_hook()
+    tf.train.Checkpoint(model=fresh).restore(checkpoint).expect_partial()
+    for a, v in zip(saved, fresh_hook.state_variables):
+        np.testing.assert_array_equal(a, v.numpy())

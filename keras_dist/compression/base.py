@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import types
 
 import keras
 import tensorflow as tf
+
+# Dtypes TensorFlow's collectives can sum on every backend keras_dist supports
+# (`all_reduce` rejects int8/uint8 on CPU; bool, complex and strings are not
+# gradients). Checked before the first collective, so a bad gradient fails the
+# same way on every replica instead of leaving the others waiting.
+SUPPORTED_DTYPES = (
+    tf.float16,
+    tf.bfloat16,
+    tf.float32,
+    tf.float64,
+    tf.int32,
+    tf.int64,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +43,36 @@ class CompressionStats:
 
 
 def tensor_bytes(tensor) -> int:
-    """Returns the size in bytes of `tensor` (a tensor or variable)."""
-    return int(tensor.shape.num_elements()) * tf.as_dtype(tensor.dtype).size
+    """Returns the size in bytes of `tensor` (a tensor, variable or spec)."""
+    return num_elements(tensor.shape) * tf.as_dtype(tensor.dtype).size
 
 
-class AllReduceHook:
+def num_elements(shape) -> int:
+    """Returns the number of elements of a fully defined `shape`."""
+    return math.prod(int(d) for d in tuple(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableSpec:
+    """What a hook knows about one variable it was built for.
+
+    Attributes:
+        name: String. The variable's path (Keras) or name (TensorFlow).
+        shape: Tuple of ints.
+        dtype: `tf.DType`.
+    """
+
+    name: str
+    shape: tuple
+    dtype: tf.DType
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the variable (and of its gradient) in bytes."""
+        return num_elements(self.shape) * self.dtype.size
+
+
+class AllReduceHook(tf.Module):
     """Base class of gradient all-reduce hooks: subclass it to write your own.
 
     A hook decides how the gradients of every replica are combined into the
@@ -43,21 +84,38 @@ class AllReduceHook:
     the sum is the gradient of the global-batch mean loss.
 
     Inside `reduce`, use `tf.distribute.get_replica_context()` for the
-    collectives (`all_reduce`, `all_gather`). Every replica must issue the
-    same collectives in the same order, or the job deadlocks.
+    collectives (`all_reduce`, `all_gather`), or the helpers of this module
+    (`all_reduce_sum`, `all_reduce_flat`). Every replica must issue the same
+    collectives in the same order, or the job deadlocks: never put a
+    collective inside a `tf.cond` or loop that runs in replica context
+    (`tf.distribute.MirroredStrategy` cannot trace it; `PowerSGD` shows how to
+    branch through `merge_call` instead).
+
+    A subclass that defines `__init__` calls `super().__init__()` first.
+    Hooks are `tf.Module`s, so `name` is a reserved attribute.
 
     The call order is the design of PyTorch DDP communication hooks
     (`torch.distributed.algorithms.ddp_comm_hooks`), adapted to
     `tf.distribute`:
 
     1. `build(variables)` once, under the strategy scope, before the first
-       step: create any state (for example error-feedback residuals) here.
+       step: create any state here with `add_state` (for example
+       error-feedback residuals).
     2. `reduce(gradients, variables)` every update step, per replica.
-    3. `stats()` any time after a step: bytes sent in the last step.
+       `gradients` may be a subset of the built variables' gradients (Keras
+       drops `None` gradients); look state up with `variable_index`.
+    3. `stats()` any time after `build`: bytes sent in the last step.
+
+    State made by `add_state` is per replica: each replica reads and writes
+    its own copy, TensorFlow never mirrors or aggregates it during training,
+    and it is not trainable. The hook is a `tf.Module`, so
+    `tf.train.Checkpoint(hook=model.all_reduce_hook)` saves that state; see
+    `add_state` for what a checkpoint holds.
 
     Example:
 
     ```python
+    @keras.saving.register_keras_serializable(package="my_project")
     class HalfPrecision(keras_dist.compression.AllReduceHook):
         def reduce(self, gradients, variables):
             ctx = tf.distribute.get_replica_context()
@@ -71,27 +129,254 @@ class AllReduceHook:
     """
 
     def __init__(self):
+        super().__init__()
         self._built = False
-        self._raw_bytes = 0
-        self._sent_bytes = 0
+        # Bookkeeping lives in a namespace, out of `tf.Module`'s attribute
+        # tracking (which would wrap its dicts for checkpointing); only the
+        # state variables in `_state` are checkpoint dependencies.
+        self._book = types.SimpleNamespace(
+            specs=(), index_by_id={}, index_by_name={}, reduced=()
+        )
+        self._state = {}
 
     @property
     def built(self) -> bool:
         """Whether `build` has run."""
         return self._built
 
+    @property
+    def variable_specs(self) -> tuple:
+        """`VariableSpec` of each variable given to `build`, in order."""
+        return self._book.specs
+
+    @property
+    def state_variables(self) -> list:
+        """The per-replica state variables made by `add_state`, in order."""
+        return list(self._state.values())
+
     def build(self, variables) -> None:
         """Creates the hook's state for `variables` (trainable variables).
 
         Called once, in cross-replica context under the strategy scope.
-        Subclasses that keep state override it and call `super().build`.
+        Subclasses that keep state override it, call `super().build` first,
+        then create their state with `add_state`.
 
         Args:
             variables: List of the trainable variables, in gradient order.
+
+        Raises:
+            ValueError: a variable has a dtype no collective can sum.
+            RuntimeError: the hook is already built.
         """
-        self._raw_bytes = sum(tensor_bytes(v) for v in variables)
-        self._sent_bytes = self._raw_bytes
+        if self._built:
+            raise RuntimeError(
+                f"{self!r} is already built. A hook holds state for one set of "
+                "variables: give each model its own hook instance."
+            )
+        variables = list(variables)
+        specs = []
+        for index, variable in enumerate(variables):
+            dtype = tf.as_dtype(variable.dtype)
+            name = _variable_name(variable)
+            if dtype not in SUPPORTED_DTYPES:
+                raise ValueError(
+                    f"`variables` must have one of the dtypes "
+                    f"{[d.name for d in SUPPORTED_DTYPES]}, which the "
+                    f"collectives can sum. Received: variables[{index}] "
+                    f"{name!r} of dtype {dtype.name!r}. Mark it "
+                    "`trainable=False` or cast it to a supported dtype."
+                )
+            specs.append(
+                VariableSpec(name, tuple(int(d) for d in variable.shape), dtype)
+            )
+            self._book.index_by_id[id(variable)] = index
+            self._book.index_by_name.setdefault(name, index)
+        self._book.specs = tuple(specs)
+        self._book.reduced = tuple(range(len(specs)))
         self._built = True
+
+    def add_state(self, name, shape, dtype, initial_value=None, aggregation="sum"):
+        """Creates a per-replica, non-trainable state variable.
+
+        Call it from `build` (cross-replica context, under the strategy
+        scope). Each replica gets its own copy
+        (`synchronization=ON_READ`): in `reduce`, reads and writes touch only
+        the local copy, with no communication.
+
+        What a checkpoint holds depends on `aggregation`:
+
+        - `"sum"`: the sum over replicas. Restoring splits it evenly over the
+          replicas (of any count), so the total is kept. Use it for
+          error-feedback residuals: their total is the gradient still owed
+          to the model.
+        - `"first"`: the first replica's copy; restoring copies it to every
+          replica. Use it for state that every replica keeps identical
+          (step counters, PowerSGD's warm-start matrices).
+
+        Args:
+            name: String. Unique name of the state within the hook, also its
+                key in checkpoints: derive it from the variable's index (as
+                `f"residual_{index}"`), not from its name, so a checkpoint
+                restores into a rebuilt model whose layers got other names.
+            shape: Tuple of ints.
+            dtype: Dtype of the variable.
+            initial_value: Tensor, callable or `None`. Initial value, the same
+                on every replica. Defaults to `None`, zeros.
+            aggregation: String, `"sum"` or `"first"`. See above. Defaults to
+                `"sum"`.
+
+        Returns:
+            The new variable.
+
+        Raises:
+            ValueError: bad `name` or `aggregation`.
+            RuntimeError: called in replica context.
+
+        Example:
+
+        ```python
+        class CountingSum(keras_dist.compression.AllReduceHook):
+            def build(self, variables):
+                super().build(variables)
+                self.calls = self.add_state("calls", (), "int64",
+                                            aggregation="first")
+
+            def reduce(self, gradients, variables):
+                gradients, _ = self.prepare(gradients, variables)
+                with tf.control_dependencies([self.calls.assign_add(1)]):
+                    return keras_dist.compression.base.all_reduce_sum(gradients)
+        ```
+        """
+        aggregations = {
+            "sum": tf.VariableAggregation.SUM,
+            "first": tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        }
+        if aggregation not in aggregations:
+            raise ValueError(
+                f"`aggregation` must be one of {sorted(aggregations)}. "
+                f"Received: aggregation={aggregation!r}."
+            )
+        if name in self._state:
+            raise ValueError(
+                f"`name` must be unique within the hook. Received: name={name!r} "
+                "twice. Add the variable's index to the name."
+            )
+        if (
+            tf.distribute.has_strategy()
+            and not tf.distribute.in_cross_replica_context()
+        ):
+            raise RuntimeError(
+                "`add_state` must be called from `build` (cross-replica "
+                "context, under the strategy scope), not inside `reduce`."
+            )
+        if initial_value is None:
+            initial_value = tf.zeros(shape, dtype)
+        variable = tf.Variable(
+            initial_value,
+            trainable=False,
+            name=_safe_name(name),
+            dtype=dtype,
+            shape=shape,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=aggregations[aggregation],
+        )
+        self._state[name] = variable
+        return variable
+
+    def variable_index(self, variable) -> int:
+        """Returns the position of `variable` in the list given to `build`.
+
+        Args:
+            variable: A variable given to `build`.
+
+        Returns:
+            Int index into `variable_specs`.
+
+        Raises:
+            ValueError: `variable` was not among the built variables.
+        """
+        index = self._book.index_by_id.get(id(variable))
+        if index is None:
+            index = self._book.index_by_name.get(_variable_name(variable))
+        if index is None:
+            raise ValueError(
+                f"`variables` must be among the {len(self.variable_specs)} "
+                "variables the "
+                f"hook was built for. Received: variable "
+                f"{_variable_name(variable)!r}. Give each model its own hook "
+                "instance, and build it on the model's trainable variables."
+            )
+        return index
+
+    def prepare(self, gradients, variables) -> tuple[list, list]:
+        """Checks the arguments of `reduce`; returns dense gradients and indices.
+
+        Call it at the start of `reduce`, before any collective: a bad
+        gradient then fails the same way on every replica. It also records
+        which variables this reduction covers, for `stats`.
+
+        Args:
+            gradients: List of gradient tensors (`tf.IndexedSlices` are
+                densified).
+            variables: List of the matching variables given to `build`.
+
+        Returns:
+            A tuple `(gradients, indices)`: the gradients as dense tensors and
+            each one's index into `variable_specs`.
+
+        Raises:
+            RuntimeError: the hook is not built.
+            ValueError: mismatched lengths, shapes or dtypes, unsupported
+                dtypes, unknown variables.
+        """
+        if not self._built:
+            raise RuntimeError(
+                f"{type(self).__name__} must be built before `reduce`: call "
+                "`hook.build(model.trainable_variables)` under the strategy "
+                "scope (DistributedModel does it when `fit` starts)."
+            )
+        gradients = list(gradients)
+        variables = list(variables)
+        if len(gradients) != len(variables):
+            raise ValueError(
+                "`gradients` and `variables` must have the same length. "
+                f"Received: {len(gradients)} gradients for {len(variables)} "
+                "variables."
+            )
+        dense = []
+        indices = []
+        for position, (gradient, variable) in enumerate(zip(gradients, variables)):
+            index = self.variable_index(variable)
+            spec = self.variable_specs[index]
+            gradient = tf.convert_to_tensor(gradient)
+            if gradient.dtype not in SUPPORTED_DTYPES:
+                raise ValueError(
+                    "`gradients` must have one of the dtypes "
+                    f"{[d.name for d in SUPPORTED_DTYPES]}. Received: "
+                    f"gradients[{position}] of dtype {gradient.dtype.name!r} for "
+                    f"variable {spec.name!r}. Cast the gradient before the hook."
+                )
+            if gradient.dtype != spec.dtype:
+                raise ValueError(
+                    f"`gradients[{position}]` must have the dtype of its variable "
+                    f"{spec.name!r}, {spec.dtype.name}. Received: dtype "
+                    f"{gradient.dtype.name}. Cast the gradient to the "
+                    "variable's dtype."
+                )
+            if not gradient.shape.is_compatible_with(spec.shape):
+                raise ValueError(
+                    f"`gradients[{position}]` must have the shape of its variable "
+                    f"{spec.name!r}, {spec.shape}. Received: shape "
+                    f"{tuple(gradient.shape)}."
+                )
+            if not gradient.shape.is_fully_defined():
+                # A densified `tf.IndexedSlices` (embeddings) can lose its
+                # static shape; the hooks plan with static shapes.
+                gradient = tf.reshape(gradient, spec.shape)
+            dense.append(gradient)
+            indices.append(index)
+        self._book.reduced = tuple(indices)
+        return dense, indices
 
     def reduce(self, gradients, variables):
         """Returns the sum over replicas of `gradients`.
@@ -110,10 +395,47 @@ class AllReduceHook:
     def stats(self) -> CompressionStats:
         """Returns the byte accounting of the last reduction.
 
-        The default counts every gradient at its own dtype for both numbers
-        (no compression). Hooks that compress override it.
+        Counts the variables of the last traced `reduce` (all built variables
+        before the first one). The default counts every gradient at its own
+        dtype for both numbers (no compression); hooks that compress override
+        `sent_bytes`.
+
+        Returns:
+            A `CompressionStats`.
+
+        Raises:
+            RuntimeError: the hook is not built.
         """
-        return CompressionStats(raw_bytes=self._raw_bytes, sent_bytes=self._sent_bytes)
+        if not self._built:
+            raise RuntimeError(
+                f"{type(self).__name__} has no statistics before `build`: build "
+                "the model's hook first (`model.build_all_reduce_hook()`)."
+            )
+        indices = self._book.reduced
+        raw = sum(self.variable_specs[i].nbytes for i in indices)
+        return CompressionStats(raw_bytes=raw, sent_bytes=self.sent_bytes(indices))
+
+    def sent_bytes(self, indices) -> int:
+        """Bytes one replica sends to reduce the gradients of `indices`.
+
+        Override it in a compressing hook; `stats` calls it eagerly.
+
+        Args:
+            indices: Sequence of indices into `variable_specs`.
+
+        Returns:
+            Int, bytes. The default is the raw size.
+        """
+        return sum(self.variable_specs[i].nbytes for i in indices)
+
+    def compression_ratio(self):
+        """Returns `stats().ratio` as a float32 scalar tensor.
+
+        Usable inside a traced train step (for the training logs). Hooks
+        whose ratio changes while training (PowerSGD's `start_step`)
+        override it to read their state.
+        """
+        return tf.constant(self.stats().ratio, tf.float32)
 
     def get_config(self) -> dict:
         """Returns the constructor arguments of the hook."""
@@ -147,7 +469,19 @@ class NoCompression(AllReduceHook):
     """
 
     def reduce(self, gradients, variables):
+        gradients, _ = self.prepare(gradients, variables)
         return all_reduce_sum(gradients)
+
+
+def replica_context() -> tf.distribute.ReplicaContext:
+    """Returns the current replica context; raises RuntimeError outside one."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+        raise RuntimeError(
+            "All-reduce hooks must run in a replica context (inside "
+            "`strategy.run`), not in cross-replica context."
+        )
+    return ctx
 
 
 def all_reduce_sum(tensors):
@@ -162,24 +496,83 @@ def all_reduce_sum(tensors):
 
     Returns:
         List of summed tensors in the input order.
+
+    Raises:
+        RuntimeError: called in cross-replica context.
     """
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None:
-        raise RuntimeError(
-            "all_reduce_sum must be called in a replica context (inside "
-            "`strategy.run`), not in cross-replica context."
-        )
+    ctx = replica_context()
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if ctx.num_replicas_in_sync == 1:
+    if ctx.num_replicas_in_sync == 1 or not tensors:
         return tensors
-    groups: dict[tf.DType, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        groups.setdefault(tensor.dtype, []).append(index)
     result = [None] * len(tensors)
-    for indices in groups.values():
+    for indices in _group_by_dtype(tensors).values():
         summed = ctx.all_reduce(
             tf.distribute.ReduceOp.SUM, [tensors[i] for i in indices]
         )
         for i, value in zip(indices, summed):
             result[i] = value
     return result
+
+
+def all_reduce_flat(tensors):
+    """Sums `tensors` over replicas, packed into one flat buffer per dtype.
+
+    Like `all_reduce_sum`, but the tensors of each dtype are concatenated
+    into one vector first, so many small tensors (PowerSGD's factors, bias
+    vectors) cost one collective launch instead of one each.
+
+    Args:
+        tensors: List of tensors with static shapes.
+
+    Returns:
+        List of summed tensors in the input order.
+
+    Raises:
+        RuntimeError: called in cross-replica context.
+    """
+    ctx = replica_context()
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if ctx.num_replicas_in_sync == 1 or not tensors:
+        return tensors
+    result = [None] * len(tensors)
+    for indices in _group_by_dtype(tensors).values():
+        group = [tensors[i] for i in indices]
+        if len(group) == 1:
+            (summed,) = ctx.all_reduce(tf.distribute.ReduceOp.SUM, group)
+            result[indices[0]] = summed
+            continue
+        flat = tf.concat([tf.reshape(t, [-1]) for t in group], axis=0)
+        (summed,) = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [flat])
+        sizes = [num_elements(t.shape) for t in group]
+        for i, tensor, part in zip(indices, group, tf.split(summed, sizes)):
+            result[i] = tf.reshape(part, tensor.shape)
+    return result
+
+
+def zero_if_not_finite(tensor):
+    """Returns `tensor`, or zeros if any entry is NaN or infinite.
+
+    For error-feedback state: one step that overflowed (a loss-scale probe
+    under mixed precision) must not poison every later step.
+    """
+    # A cond, not tf.where: the common branch costs no tensor-sized op.
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(tensor)),
+        lambda: tensor,
+        lambda: tf.zeros_like(tensor),
+    )
+
+
+def _group_by_dtype(tensors) -> dict:
+    groups: dict[tf.DType, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault(tensor.dtype, []).append(index)
+    return groups
+
+
+def _variable_name(variable) -> str:
+    return str(getattr(variable, "path", None) or variable.name)
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)

@@ -1,0 +1,412 @@
+"""PowerSGD: low-rank gradient compression (Vogels et al., NeurIPS 2019)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from keras_dist.compression.base import (
+    AllReduceHook,
+    CompressionStats,
+    all_reduce_flat,
+    all_reduce_sum,
+    num_elements,
+    replica_context,
+    zero_if_not_finite,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixPlan:
+    """How PowerSGD sends the gradient of one variable as two factors.
+
+    The gradient is viewed as a `rows x cols` matrix `M` with `cols` the last
+    axis (a Dense kernel `(in, out)` as it is; a conv kernel
+    `(kh, kw, in, out)` as `(kh*kw*in, out)`, the transpose of the paper's
+    `out x in*k*k`, which gives the same factors). PowerSGD sends
+    `P = M^T Q` (`cols x rank`) and `Q = M P` (`rows x rank`).
+
+    Attributes:
+        index: Int. Position of the variable in `variable_specs`.
+        rows: Int.
+        cols: Int.
+        rank: Int. Rank of the approximation, at most `min(rows, cols)`.
+        dtype: `tf.DType` in which the factors are computed and sent
+            (float32 for 16-bit gradients).
+    """
+
+    index: int
+    rows: int
+    cols: int
+    rank: int
+    dtype: tf.DType
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes of `P` and `Q` together."""
+        return (self.rows + self.cols) * self.rank * self.dtype.size
+
+
+@keras.saving.register_keras_serializable(package="keras_dist")
+class PowerSGD(AllReduceHook):
+    """Low-rank gradient compression with error feedback and warm start.
+
+    Implements Algorithm 1 of Vogels, Karimireddy and Jaggi, "PowerSGD:
+    Practical Low-Rank Gradient Compression for Distributed Optimization",
+    NeurIPS 2019, with the error feedback of their Algorithm 2, for Keras.
+    Every gradient with two or more axes is viewed as a matrix `M` (the last
+    axis, a layer's output units, as columns; the other axes flattened as
+    rows). Starting from a `rows x rank` matrix `Q` that all replicas share,
+    one step of power iteration sends two small factors instead of `M`:
+
+    1. `M_i = gradient_i + error_i` on replica `i`;
+    2. `P = sum_i M_i^T Q` (all-reduce), orthonormalised by QR;
+    3. `Q = sum_i M_i P` (all-reduce);
+    4. the summed gradient is approximated by `Q P^T`, and each replica keeps
+       `error_i = M_i - Q P^T / num_replicas`, its share of what the sum did
+       not send, so it is applied in a later step (as in PyTorch's
+       `powerSGD_hook` and the paper's reference code; the errors add up
+       to exactly the sum's approximation error).
+
+    Because `P` and `Q` are all-reduced with a sum (not a mean), `Q P^T`
+    approximates the sum of the replicas' gradients directly; it is exact
+    when that sum has rank at most `rank`. A matrix is compressed only when
+    the factors are at least `min_compression_rate` times smaller than it,
+    `(rows + cols) * rank * min_compression_rate < rows * cols`; everything
+    else (biases, BatchNormalization vectors, small matrices) is sent raw,
+    bundled with the `P` factors into one collective per dtype, so a step
+    costs two collective launches per dtype. Before `start_step`, every
+    gradient is sent raw with a plain all-reduce, as PyTorch's
+    `powerSGD_hook` does (`start_powerSGD_iter`): compressing from the first
+    step tends to cost accuracy.
+
+    With `warm_start=True`, the reduced `Q` of one step seeds the next
+    (reusing the previous subspace makes one power iteration per step
+    enough); otherwise each step draws a fresh `Q`. All replicas draw the same
+    `Q` from `seed`, with no communication.
+
+    On the paper's ResNet-18 for CIFAR-10 (11,173,962 parameters, every
+    matrix compressed with `min_compression_rate=1`), one step sends 243x,
+    136x and 72x fewer bytes at rank 1, 2 and 4. Start with `rank=2` or `4`;
+    raise it if accuracy drops. `stats()` reports the ratio for your model.
+
+    State (all per replica, non-trainable): the error of each compressed
+    matrix (a checkpoint keeps the sum over replicas), the warm-start `Q`
+    and a step counter (identical on every replica; a checkpoint keeps
+    replica 0's). A non-finite error (a step that overflowed under loss
+    scaling) is reset to zero, and a non-finite or zero `Q` is not kept. Gradients
+    of 16-bit dtypes are compressed in float32, and their factors are sent
+    in float32.
+
+    Args:
+        rank: Int >= 1. Rank of the approximation. Defaults to `2`.
+        start_step: Int >= 0. Number of initial `reduce` calls (optimizer
+            updates) that use a plain all-reduce. Defaults to `1000`, as
+            PyTorch; set it to about 10% of training, or `0` to compress
+            from the first step.
+        min_compression_rate: Float >= 1. Compress a matrix only when its
+            factors are this many times smaller than it. Defaults to `2.0`.
+        error_feedback: Bool. Keep the unsent part of each gradient and add
+            it to the next one. Defaults to `True`.
+        warm_start: Bool. Start each step's power iteration from the
+            previous step's `Q`. Defaults to `True`.
+        seed: Int. Seed of the random initial `Q`; must be the same on every
+            worker. Defaults to `0`.
+
+    Example:
+
+    ```python
+    with strategy.scope():
+        model = keras_dist.DistributedModel(
+            inputs,
+            outputs,
+            all_reduce_hook=keras_dist.compression.PowerSGD(rank=4, start_step=500),
+        )
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(dataset, epochs=30)
+    print(model.all_reduce_hook.stats().ratio)
+    ```
+    """
+
+    def __init__(
+        self,
+        rank=2,
+        start_step=1000,
+        min_compression_rate=2.0,
+        error_feedback=True,
+        warm_start=True,
+        seed=0,
+    ):
+        super().__init__()
+        if not _is_int(rank) or rank < 1:
+            raise ValueError(
+                "`rank` must be an integer >= 1, the rank of the gradient "
+                f"approximation. Received: rank={rank!r}. Try `rank=2`."
+            )
+        if not _is_int(start_step) or start_step < 0:
+            raise ValueError(
+                "`start_step` must be an integer >= 0, the number of plain "
+                f"all-reduce steps before compression. Received: "
+                f"start_step={start_step!r}. Use `start_step=0` to compress "
+                "from the first step."
+            )
+        if (
+            isinstance(min_compression_rate, bool)
+            or not isinstance(min_compression_rate, (int, float))
+            or not min_compression_rate >= 1
+        ):
+            raise ValueError(
+                "`min_compression_rate` must be a number >= 1 (a matrix is "
+                "compressed only when its factors are this many times "
+                "smaller). Received: "
+                f"min_compression_rate={min_compression_rate!r}. Use `1` to "
+                "compress every matrix that shrinks at all."
+            )
+        for name, value in (
+            ("error_feedback", error_feedback),
+            ("warm_start", warm_start),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be a bool. Received: {name}={value!r}.")
+        if not _is_int(seed):
+            raise TypeError(f"`seed` must be an integer. Received: seed={seed!r}.")
+        self.rank = int(rank)
+        self.start_step = int(start_step)
+        self.min_compression_rate = float(min_compression_rate)
+        self.error_feedback = error_feedback
+        self.warm_start = warm_start
+        self.seed = int(seed)
+        self._book.plans = {}
+
+    # --- Planning --------------------------------------------------------------
+
+    def plan_for(self, spec, index) -> MatrixPlan | None:
+        """Returns how the gradient of `spec` is compressed, or `None` (raw).
+
+        Args:
+            spec: `VariableSpec` of the variable.
+            index: Int. Its position in `variable_specs`.
+
+        Returns:
+            A `MatrixPlan`, or `None` when the gradient is sent raw.
+        """
+        if len(spec.shape) < 2 or not spec.dtype.is_floating:
+            return None
+        cols = spec.shape[-1]
+        rows = num_elements(spec.shape) // cols if cols else 0
+        rank = min(self.rank, rows, cols)
+        if rank < 1 or (rows + cols) * rank * self.min_compression_rate >= rows * cols:
+            return None
+        dtype = tf.float32 if spec.dtype.size < 4 else spec.dtype
+        return MatrixPlan(index, rows, cols, rank, dtype)
+
+    @property
+    def matrix_plans(self) -> list:
+        """The `MatrixPlan` of every compressed variable, in variable order."""
+        return [self._book.plans[i] for i in sorted(self._book.plans)]
+
+    def build(self, variables) -> None:
+        super().build(variables)
+        self._step = self.add_state("step", (), tf.int64, aggregation="first")
+        for index, spec in enumerate(self.variable_specs):
+            plan = self.plan_for(spec, index)
+            if plan is None:
+                continue
+            self._book.plans[index] = plan
+            self.add_state(
+                _q_name(index),
+                (plan.rows, plan.rank),
+                plan.dtype,
+                initial_value=self._initial_q(plan),
+                aggregation="first",
+            )
+            if self.error_feedback:
+                self.add_state(_error_name(index), (plan.rows, plan.cols), plan.dtype)
+
+    def _initial_q(self, plan, step=None):
+        seed = tf.constant([self.seed, plan.index], tf.int64)
+        if step is not None:
+            seed = tf.random.experimental.stateless_fold_in(seed, step)
+        return tf.random.stateless_normal(
+            (plan.rows, plan.rank), seed=seed, dtype=plan.dtype
+        )
+
+    # --- Reduction -------------------------------------------------------------
+
+    def reduce(self, gradients, variables):
+        gradients, indices = self.prepare(gradients, variables)
+        ctx = replica_context()
+        step = self._step.assign_add(1) - 1
+        if self.start_step == 0:
+            return self._reduce_compressed(gradients, indices, step)
+
+        # A collective inside a replica-context `tf.cond` cannot be traced
+        # under MirroredStrategy (merge_call inside a branch graph), so the
+        # branch is taken in cross-replica context, where each branch runs
+        # its replica-context reduction again with `call_for_each_replica`.
+        def choose(strategy, step, gradients):
+            compress = strategy.experimental_local_results(step)[0] >= self.start_step
+
+            def compressed():
+                return strategy.extended.call_for_each_replica(
+                    self._reduce_compressed, args=(gradients, indices, step)
+                )
+
+            def plain():
+                return strategy.extended.call_for_each_replica(
+                    all_reduce_sum, args=(gradients,)
+                )
+
+            return tf.cond(compress, compressed, plain)
+
+        return list(ctx.merge_call(choose, args=(step, gradients)))
+
+    def _reduce_compressed(self, gradients, indices, step):
+        gradients = list(gradients)
+        plans = [self._book.plans.get(index) for index in indices]
+        matrix_positions = [p for p, plan in enumerate(plans) if plan is not None]
+        raw_positions = [p for p, plan in enumerate(plans) if plan is None]
+
+        matrices, qs = [], []
+        for position in matrix_positions:
+            plan = plans[position]
+            matrix = tf.reshape(
+                tf.cast(gradients[position], plan.dtype), (plan.rows, plan.cols)
+            )
+            if self.error_feedback:
+                matrix = matrix + self._state[_error_name(plan.index)].read_value()
+            if self.warm_start:
+                q = self._state[_q_name(plan.index)].read_value()
+            else:
+                q = self._initial_q(plan, step)
+            matrices.append(matrix)
+            qs.append(q)
+
+        # P^T = Q^T M: transposing the thin Q, not M, is several times faster
+        # than M^T Q on CPU.
+        local_pts = [tf.matmul(q, m, transpose_a=True) for m, q in zip(matrices, qs)]
+        first = all_reduce_flat(local_pts + [gradients[p] for p in raw_positions])
+        ps = _orthonormalize([tf.transpose(pt) for pt in first[: len(local_pts)]])
+        local_qs = [tf.matmul(m, p) for m, p in zip(matrices, ps)]
+        summed_qs = all_reduce_flat(local_qs)
+
+        result = [None] * len(gradients)
+        for position, value in zip(raw_positions, first[len(local_pts) :]):
+            result[position] = value
+        num_replicas = replica_context().num_replicas_in_sync
+        updates = []
+        for k, position in enumerate(matrix_positions):
+            plan = plans[position]
+            gradient = gradients[position]
+            approx = tf.matmul(summed_qs[k], ps[k], transpose_b=True)
+            result[position] = tf.cast(
+                tf.reshape(approx, gradient.shape), gradient.dtype
+            )
+            if self.error_feedback:
+                # This replica's share of what the sum did not send. Reusing
+                # `approx` saves a second matrix-sized product per step.
+                share = approx / tf.cast(num_replicas, approx.dtype)
+                error = matrices[k] - share
+                updates.append(
+                    self._state[_error_name(plan.index)].assign(
+                        zero_if_not_finite(error)
+                    )
+                )
+            if self.warm_start:
+                # A zero Q (a step whose summed gradient was zero) would make
+                # every later P zero: keep the previous Q then, as for NaN.
+                usable = tf.reduce_all(tf.math.is_finite(summed_qs[k])) & tf.reduce_any(
+                    tf.not_equal(summed_qs[k], 0)
+                )
+                updates.append(
+                    self._state[_q_name(plan.index)].assign(
+                        tf.where(usable, summed_qs[k], qs[k])
+                    )
+                )
+        if updates:
+            with tf.control_dependencies(updates):
+                result = [tf.identity(r) for r in result]
+        return result
+
+    # --- Statistics ------------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        """Number of `reduce` calls run so far (read eagerly)."""
+        if not self.built:
+            return 0
+        return int(self._step.numpy())
+
+    def stats(self) -> CompressionStats:
+        """Returns the byte accounting of the last step.
+
+        Before any step, the first step's. Steps before `start_step` send
+        raw bytes (ratio 1).
+        """
+        stats = super().stats()
+        last_step = max(self.steps - 1, 0)
+        if last_step < self.start_step:
+            return CompressionStats(stats.raw_bytes, stats.raw_bytes)
+        return stats
+
+    def sent_bytes(self, indices) -> int:
+        """Bytes sent by a compressed step for the gradients of `indices`."""
+        sent = 0
+        for index in indices:
+            plan = self._book.plans.get(index)
+            sent += (
+                self.variable_specs[index].nbytes if plan is None else plan.sent_bytes
+            )
+        return sent
+
+    def compression_ratio(self):
+        compressed = super().stats()
+        if self.start_step == 0:
+            return tf.constant(compressed.ratio, tf.float32)
+        last_step = tf.maximum(self._step.read_value() - 1, 0)
+        return tf.where(
+            last_step >= self.start_step,
+            tf.constant(compressed.ratio, tf.float32),
+            tf.constant(1.0, tf.float32),
+        )
+
+    def get_config(self) -> dict:
+        return {
+            "rank": self.rank,
+            "start_step": self.start_step,
+            "min_compression_rate": self.min_compression_rate,
+            "error_feedback": self.error_feedback,
+            "warm_start": self.warm_start,
+            "seed": self.seed,
+        }
+
+
+def _orthonormalize(matrices):
+    """Orthonormalises the columns of each matrix, batching equal shapes."""
+    groups = {}
+    for i, matrix in enumerate(matrices):
+        groups.setdefault((tuple(matrix.shape), matrix.dtype), []).append(i)
+    result = [None] * len(matrices)
+    for indices in groups.values():
+        if len(indices) == 1:
+            q, _ = tf.linalg.qr(matrices[indices[0]])
+            result[indices[0]] = q
+            continue
+        q, _ = tf.linalg.qr(tf.stack([matrices[i] for i in indices]))
+        for i, part in zip(indices, tf.unstack(q)):
+            result[i] = part
+    return result
+
+
+def _q_name(index) -> str:
+    return f"q_{index}"
+
+
+def _error_name(index) -> str:
+    return f"error_{index}"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

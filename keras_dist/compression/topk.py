@@ -1,0 +1,268 @@
+"""Top-k sparsification with error feedback."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from keras_dist.compression.base import (
+    AllReduceHook,
+    all_reduce_sum,
+    num_elements,
+    replica_context,
+    zero_if_not_finite,
+)
+
+_INDEX_BYTES = 4
+
+
+@keras.saving.register_keras_serializable(package="keras_dist")
+class TopK(AllReduceHook):
+    """Sends only the largest gradient entries of each tensor.
+
+    Each replica keeps, per floating-point tensor, the `k = ceil(ratio * n)`
+    entries of largest magnitude and sends their values and int32 positions;
+    the replicas exchange them with one `all_gather` per step (values are
+    bit-cast to int32 so every dtype travels in the same buffer, which also
+    covers bfloat16, which TensorFlow cannot all-gather) and each replica adds
+    every replica's entries into a dense zero tensor: the result is the sum
+    of the sparsified gradients. Non-float gradients are summed with a plain
+    all-reduce.
+
+    With `error_feedback=True` (recommended), each replica keeps what it did
+    not send in a residual and adds it to its next gradient, so every entry
+    is eventually applied (Stich, Cordonnier and Jaggi, "Sparsified SGD with
+    memory", NeurIPS 2018; Lin et al., "Deep Gradient Compression", ICLR
+    2018). Without it, top-k at `ratio=0.01` discards 99% of the gradient and
+    training usually stalls.
+
+    Bytes sent per replica: `k * (value size + 4)` per tensor, so
+    `ratio=0.01` on float32 sends 50x less than a plain all-reduce. An
+    all-gather's received bytes grow with the number of replicas (each
+    receives every replica's entries), unlike an all-reduce: top-k pays off
+    for a few replicas on a slow network. The top-k selection itself costs
+    time on large tensors. Residuals are per-replica state; a checkpoint
+    keeps their sum (see `AllReduceHook.add_state`). A residual that becomes
+    non-finite (a loss-scale overflow step) is reset to zero.
+
+    Args:
+        ratio: Float in (0, 1]. Fraction of each tensor's entries to send.
+            `1.0` sends everything (an exact, slow sum). Defaults to `0.01`.
+        error_feedback: Bool. Keep unsent entries in a per-replica residual
+            and add it to the next gradient. Defaults to `True`.
+
+    Example:
+
+    ```python
+    with strategy.scope():
+        model = keras_dist.DistributedModel(
+            inputs,
+            outputs,
+            all_reduce_hook=keras_dist.compression.TopK(ratio=0.01),
+        )
+    ```
+    """
+
+    def __init__(self, ratio=0.01, error_feedback=True):
+        super().__init__()
+        if (
+            isinstance(ratio, bool)
+            or not isinstance(ratio, (int, float))
+            or not 0.0 < ratio <= 1.0
+        ):
+            raise ValueError(
+                f"`ratio` must be a number in (0, 1], the fraction of each "
+                f"gradient's entries to send. Received: ratio={ratio!r}. Try "
+                "`ratio=0.01`."
+            )
+        if not isinstance(error_feedback, bool):
+            raise TypeError(
+                "`error_feedback` must be a bool. Received: "
+                f"error_feedback={error_feedback!r}."
+            )
+        self.ratio = float(ratio)
+        self.error_feedback = error_feedback
+        self._book.residual_names = {}
+
+    def build(self, variables) -> None:
+        super().build(variables)
+        if not self.error_feedback:
+            return
+        for index, spec in enumerate(self.variable_specs):
+            if spec.dtype.is_floating:
+                name = f"residual_{index}"
+                self.add_state(name, spec.shape, spec.dtype)
+                self._book.residual_names[index] = name
+
+    def k_for(self, spec) -> int:
+        """Number of entries sent for the gradient of variable `spec`."""
+        n = num_elements(spec.shape)
+        return min(n, max(1, math.ceil(self.ratio * n)))
+
+    def reduce(self, gradients, variables):
+        gradients, indices = self.prepare(gradients, variables)
+        ctx = replica_context()
+        dense_positions = [
+            i for i, g in enumerate(gradients) if not g.dtype.is_floating
+        ]
+        sparse_positions = [i for i, g in enumerate(gradients) if g.dtype.is_floating]
+        result = [None] * len(gradients)
+
+        selections = []
+        residual_updates = []
+        for position in sparse_positions:
+            gradient = gradients[position]
+            index = indices[position]
+            flat = tf.reshape(gradient, [-1])
+            residual = self._residual(index)
+            if residual is not None:
+                flat = flat + tf.reshape(residual.read_value(), [-1])
+            top = top_k_indices(tf.abs(flat), self.k_for(self.variable_specs[index]))
+            values = tf.gather(flat, top)
+            selections.append((position, top, values))
+            if residual is not None:
+                unsent = tf.tensor_scatter_nd_update(
+                    flat, top[:, None], tf.zeros_like(values)
+                )
+                residual_updates.append((residual, unsent))
+
+        if sparse_positions:
+            gathered = _all_gather_int32(
+                ctx, [top for _, top, _ in selections], [v for _, _, v in selections]
+            )
+            for (position, _, _), (top, values) in zip(selections, gathered):
+                gradient = gradients[position]
+                summed = tf.scatter_nd(
+                    top[:, None], values, [num_elements(gradient.shape)]
+                )
+                result[position] = tf.reshape(summed, gradient.shape)
+
+        if dense_positions:
+            summed = all_reduce_sum([gradients[i] for i in dense_positions])
+            for position, value in zip(dense_positions, summed):
+                result[position] = value
+
+        updates = [
+            residual.assign(tf.reshape(zero_if_not_finite(unsent), residual.shape))
+            for residual, unsent in residual_updates
+        ]
+        if updates:
+            with tf.control_dependencies(updates):
+                result = [tf.identity(r) for r in result]
+        return result
+
+    def _residual(self, index):
+        name = self._book.residual_names.get(index)
+        return None if name is None else self._state[name]
+
+    def sent_bytes(self, indices) -> int:
+        # 16-bit values travel two to an int32 word; the odd one out of a
+        # tensor with odd k pads 2 bytes, ignored here.
+        sent = 0
+        for index in indices:
+            spec = self.variable_specs[index]
+            if spec.dtype.is_floating:
+                sent += self.k_for(spec) * (spec.dtype.size + _INDEX_BYTES)
+            else:
+                sent += spec.nbytes
+        return sent
+
+    def get_config(self) -> dict:
+        return {"ratio": self.ratio, "error_feedback": self.error_feedback}
+
+
+# Below this size, one `tf.math.top_k` is fast enough.
+_SAMPLED_TOP_K_MIN_SIZE = 1 << 17
+_SAMPLE_SIZE = 1 << 16
+
+
+def top_k_indices(magnitudes, k):
+    """Returns int32 indices of the `k` largest entries of a 1-D tensor.
+
+    Exact. For large tensors, `tf.math.top_k` on CPU is slow (0.9 s for 1% of
+    16.8M entries), so a strided sample estimates a threshold below the k-th
+    largest value, and `top_k` runs only on the entries above it (about 2k);
+    if the sample was unlucky and fewer than `k` entries pass, it falls back
+    to `top_k` on everything.
+
+    Args:
+        magnitudes: 1-D float tensor with a static size (non-negative values).
+        k: Int, `1 <= k <= size`.
+
+    Returns:
+        Int32 tensor of `k` indices, in no particular order.
+    """
+    size = int(magnitudes.shape[0])
+
+    def full():
+        return tf.cast(tf.math.top_k(magnitudes, k=k, sorted=False).indices, tf.int32)
+
+    if size < _SAMPLED_TOP_K_MIN_SIZE or k * 4 > size:
+        return full()
+    stride = size // _SAMPLE_SIZE
+    sample = magnitudes[::stride]
+    sample_size = int(sample.shape[0])
+    # Twice the expected count of the sample above the k-th largest value.
+    sample_k = min(sample_size, 2 * math.ceil(sample_size * k / size))
+    threshold = tf.reduce_min(tf.math.top_k(sample, k=sample_k, sorted=False).values)
+    candidates = tf.cast(tf.where(magnitudes >= threshold)[:, 0], tf.int32)
+
+    def among_candidates():
+        chosen = tf.math.top_k(tf.gather(magnitudes, candidates), k=k, sorted=False)
+        return tf.gather(candidates, chosen.indices)
+
+    return tf.cond(tf.shape(candidates)[0] >= k, among_candidates, full)
+
+
+def _to_int32(values):
+    """Bit-casts a float vector to an int32 vector (16-bit: padded to even)."""
+    size = values.dtype.size
+    if size == 4:
+        return tf.bitcast(values, tf.int32)
+    if size == 8:
+        return tf.reshape(tf.bitcast(values, tf.int32), [-1])
+    count = int(values.shape[0])
+    if count % 2:
+        values = tf.concat([values, tf.zeros([1], values.dtype)], axis=0)
+    return tf.bitcast(tf.reshape(values, [-1, 2]), tf.int32)
+
+
+def _from_int32(words, dtype, count, num_replicas):
+    """Inverse of `_to_int32` for `num_replicas` gathered rows of `count`."""
+    size = dtype.size
+    if size == 4:
+        values = tf.bitcast(words, dtype)
+    elif size == 8:
+        values = tf.bitcast(tf.reshape(words, [-1, 2]), dtype)
+    else:
+        values = tf.reshape(tf.bitcast(words, dtype), [-1])
+    values = tf.reshape(values, [num_replicas, -1])[:, :count]
+    return tf.reshape(values, [-1])
+
+
+def _all_gather_int32(ctx, tops, values):
+    """All-gathers every (indices, values) pair in one int32 collective.
+
+    Returns, per pair, the indices and values of all replicas concatenated.
+    """
+    pieces = [*tops, *(_to_int32(v) for v in values)]
+    sizes = [int(p.shape[0]) for p in pieces]
+    row = tf.concat(pieces, axis=0)
+    num_replicas = ctx.num_replicas_in_sync
+    gathered = ctx.all_gather(row, axis=0) if num_replicas > 1 else row
+    rows = tf.reshape(gathered, [num_replicas, sum(sizes)])
+    columns = tf.split(rows, sizes, axis=1)
+    n = len(tops)
+    out = []
+    for i in range(n):
+        top = tf.reshape(columns[i], [-1])
+        value = _from_int32(
+            tf.reshape(columns[n + i], [-1]),
+            values[i].dtype,
+            int(values[i].shape[0]),
+            num_replicas,
+        )
+        out.append((top, value))
+    return out
