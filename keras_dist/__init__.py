@@ -23,8 +23,10 @@ check_backend()
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from keras_dist import callbacks as callbacks
     from keras_dist import cluster as cluster
     from keras_dist import compression as compression
+    from keras_dist.batch_size import find_max_batch_size as find_max_batch_size
     from keras_dist.memory import init_memory_growth as init_memory_growth
     from keras_dist.models import DistributedModel as DistributedModel
     from keras_dist.optimizers import (
@@ -40,6 +42,8 @@ _PUBLIC = {
     ),
     "auto_strategy": ("keras_dist.strategy", "auto_strategy"),
     "init_memory_growth": ("keras_dist.memory", "init_memory_growth"),
+    "find_max_batch_size": ("keras_dist.batch_size", "find_max_batch_size"),
+    "callbacks": ("keras_dist.callbacks", None),
     "cluster": ("keras_dist.cluster", None),
     "compression": ("keras_dist.compression", None),
 }

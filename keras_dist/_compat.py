@@ -224,3 +224,8 @@ def track_checkpoint_dependency(owner, name, trackable) -> None:
     `Trackable._track_trackable`.
     """
     owner._track_trackable(trackable, name=name, overwrite=True)
+
+
+def optimizer_strategy(optimizer):
+    """The strategy a Keras TF optimizer captured when it was created."""
+    return optimizer._distribution_strategy

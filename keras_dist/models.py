@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _aggregation, _compat
+from keras_dist import callbacks as callbacks_lib
 from keras_dist.compression.base import AllReduceHook, NoCompression
 from keras_dist.optimizers import GradientAccumulationOptimizer
 
@@ -302,6 +303,9 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
 
     def fit(self, *args, **kwargs):
         self._check_strategy()
+        # With an AutoScaleBatch callback, numpy arrays and unbatched datasets
+        # are batched at its per_replica_batch_size x num_replicas_in_sync.
+        args, kwargs = callbacks_lib.prepare_fit_arguments(self, args, kwargs)
         return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):

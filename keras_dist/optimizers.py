@@ -152,6 +152,16 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
 
     def build(self, var_list):
         var_list = list(var_list)
+        strategy = tf.distribute.get_strategy()
+        if _compat.optimizer_strategy(self.inner_optimizer) is not strategy:
+            # Its variables (iterations, slots) would not be mirrored: every
+            # replica would advance its iteration counter separately.
+            raise ValueError(
+                "The `inner_optimizer` was created outside the strategy scope "
+                "the model trains under. Received: inner_optimizer="
+                f"{self.inner_optimizer!r}. Create it inside "
+                "`with strategy.scope():`, together with the model."
+            )
         self._steps_variable = self.add_variable(
             shape=(),
             dtype="int64",

@@ -366,3 +366,15 @@ def test_state_before_build_is_a_clear_error():
         optimizer.micro_steps  # noqa: B018
     with pytest.raises(TypeError, match="accumulation_steps='4'"):
         optimizer.accumulation_steps = "4"
+
+
+def test_inner_optimizer_created_outside_the_scope_is_refused():
+    x, y = make_data()
+    inner = keras.optimizers.SGD(0.1)
+    with mirrored(2).scope():
+        model = compile_model(
+            mlp(keras_dist.DistributedModel),
+            keras_dist.GradientAccumulationOptimizer(inner, accumulation_steps=2),
+        )
+    with pytest.raises(ValueError, match="created outside the strategy scope"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
