@@ -431,3 +431,21 @@ def test_bad_setups_are_reported_when_fit_starts():
             callbacks=[AutoScaleBatch(8, warmup_epochs=1)],
             verbose=0,
         )
+
+
+@pytest.mark.multiworker
+def test_workers_agree_on_adaptive_batch_and_learning_rate():
+    import numpy as np
+    import workers
+
+    from keras_dist.testing import run_workers
+
+    first, second = run_workers(
+        workers.adaptive_autoscale_fit, num_workers=2, timeout=300
+    )
+    assert first["history"] == second["history"]
+    batch_sizes = first["history"]["batch_size"]
+    assert batch_sizes[0] == 16
+    assert batch_sizes[-1] > batch_sizes[0]  # it did adapt, identically
+    for a, b in zip(first["weights"], second["weights"]):
+        np.testing.assert_array_equal(a, b)

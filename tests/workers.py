@@ -109,3 +109,42 @@ def accumulated_fit(optimizer_names, accumulation_steps, micro_batch, epochs=2):
             "micro_steps": int(optimizer.micro_steps.numpy()),
         }
     return results
+
+
+def adaptive_autoscale_fit(epochs=3):
+    """Adaptive AutoScaleBatch under MultiWorkerMirroredStrategy.
+
+    Returns the per-epoch batch size, learning rate and noise scale, and the
+    final weights, so the parent can check that every worker decided alike.
+    """
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from helpers import compile_model, mlp
+
+    import keras_dist
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+    with strategy.scope():
+        optimizer = keras_dist.GradientAccumulationOptimizer(
+            keras.optimizers.SGD(0.05), accumulation_steps=1
+        )
+        model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
+    autoscale = keras_dist.callbacks.AutoScaleBatch(
+        per_replica_batch_size=8,
+        adaptive=True,
+        max_batch_size=64,
+        adapt_every=2,
+        ema_decay=0.5,
+    )
+    history = model.fit(x, y, epochs=epochs, callbacks=[autoscale], verbose=0)
+    return {
+        "history": {
+            key: history.history[key]
+            for key in ("batch_size", "learning_rate", "noise_scale")
+        },
+        "weights": model.get_weights(),
+    }
