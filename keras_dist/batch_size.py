@@ -11,7 +11,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _aggregation, _compat
-from keras_dist.optimizers import GradientAccumulationOptimizer
+from keras_dist.optimizers import find_accumulator
 
 logger = logging.getLogger(__name__)
 
@@ -142,14 +142,7 @@ def find_max_batch_size(
     strategy = model.distribute_strategy
     replicas = strategy.num_replicas_in_sync
     if steps is None:
-        accumulator = next(
-            (
-                o
-                for o in _compat.nested_optimizers(model.optimizer)
-                if isinstance(o, GradientAccumulationOptimizer)
-            ),
-            None,
-        )
+        accumulator = find_accumulator(model.optimizer)
         steps = accumulator.accumulation_steps if accumulator is not None else 1
     if train_step_fn is None:
         train_step_fn = _fit_step(model, steps)

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _aggregation, _compat
-from keras_dist.optimizers import GradientAccumulationOptimizer
+from keras_dist.optimizers import find_accumulator
 
 logger = logging.getLogger(__name__)
 
@@ -460,7 +460,7 @@ class AutoScaleBatch(keras.callbacks.Callback):
             )
         strategy = model.distribute_strategy
         replicas = strategy.num_replicas_in_sync
-        accumulator = _find_accumulator(optimizer)
+        accumulator = find_accumulator(optimizer)
         if self.adaptive and accumulator is None:
             raise TypeError(
                 "Adaptive mode grows the batch through `accumulation_steps`, so "
@@ -965,13 +965,6 @@ def _check_positive_int(name, value, minimum=1):
         )
     if value < minimum:
         raise ValueError(f"`{name}` must be >= {minimum}. Received: {name}={value!r}.")
-
-
-def _find_accumulator(optimizer):
-    for nested in _compat.nested_optimizers(optimizer):
-        if isinstance(nested, GradientAccumulationOptimizer):
-            return nested
-    return None
 
 
 def _update_count(model):

@@ -365,9 +365,13 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
             step_on_iterator = one_step_on_iterator
         else:
             step_on_iterator = multi_step_on_iterator
+        step_on_data = one_step_on_data
         if not self.run_eagerly:
             step_on_iterator = tf.function(
                 step_on_iterator, reduce_retracing=True, jit_compile=self.jit_compile
+            )
+            step_on_data = tf.function(
+                one_step_on_data, reduce_retracing=True, jit_compile=self.jit_compile
             )
 
         def function(iterator):
@@ -379,11 +383,7 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
             # iterator of numpy data can hand out lists of batches).
             outputs = None
             for _, data in zip(range(self.steps_per_execution), iterator):
-                outputs = (
-                    one_step_on_data(data)
-                    if self.run_eagerly
-                    else tf.function(one_step_on_data)(data)
-                )
+                outputs = step_on_data(data)
             return outputs
 
         return function

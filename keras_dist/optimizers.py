@@ -124,7 +124,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
                 'Pass e.g. `keras.optimizers.Adam(1e-3)` (strings like "adam" '
                 "are not accepted here)."
             )
-        if _find_accumulator(inner_optimizer) is not None:
+        if find_accumulator(inner_optimizer) is not None:
             raise ValueError(
                 "`inner_optimizer` already accumulates gradients (a "
                 "GradientAccumulationOptimizer is inside it). Wrap the plain "
@@ -371,7 +371,12 @@ def _check_steps(value):
         )
 
 
-def _find_accumulator(optimizer):
+def find_accumulator(optimizer):
+    """Returns the GradientAccumulationOptimizer in `optimizer`'s wrappers.
+
+    Looks through loss-scaling and other wrappers (`inner_optimizer`);
+    returns `None` when there is none.
+    """
     for nested in _compat.nested_optimizers(optimizer):
         if isinstance(nested, GradientAccumulationOptimizer):
             return nested

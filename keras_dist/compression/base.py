@@ -500,18 +500,9 @@ def all_reduce_sum(tensors):
     Raises:
         RuntimeError: called in cross-replica context.
     """
-    ctx = replica_context()
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if ctx.num_replicas_in_sync == 1 or not tensors:
-        return tensors
-    result = [None] * len(tensors)
-    for indices in _group_by_dtype(tensors).values():
-        summed = ctx.all_reduce(
-            tf.distribute.ReduceOp.SUM, [tensors[i] for i in indices]
-        )
-        for i, value in zip(indices, summed):
-            result[i] = value
-    return result
+    return _sum_by_dtype(
+        tensors, lambda ctx, group: ctx.all_reduce(tf.distribute.ReduceOp.SUM, group)
+    )
 
 
 def all_reduce_flat(tensors):
@@ -530,22 +521,36 @@ def all_reduce_flat(tensors):
     Raises:
         RuntimeError: called in cross-replica context.
     """
+    return _sum_by_dtype(tensors, _sum_flat)
+
+
+def _sum_flat(ctx, group):
+    if len(group) == 1:
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, group)
+    flat = tf.concat([tf.reshape(t, [-1]) for t in group], axis=0)
+    (summed,) = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [flat])
+    sizes = [num_elements(t.shape) for t in group]
+    return [
+        tf.reshape(part, tensor.shape)
+        for tensor, part in zip(group, tf.split(summed, sizes))
+    ]
+
+
+def _sum_by_dtype(tensors, sum_group):
+    """Applies `sum_group(ctx, tensors_of_one_dtype)` per dtype, in order.
+
+    TensorFlow cannot all-reduce a list of mixed dtypes in one call; this is
+    the grouping both `all_reduce_sum` and `all_reduce_flat` share.
+    """
     ctx = replica_context()
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if ctx.num_replicas_in_sync == 1 or not tensors:
         return tensors
     result = [None] * len(tensors)
     for indices in _group_by_dtype(tensors).values():
-        group = [tensors[i] for i in indices]
-        if len(group) == 1:
-            (summed,) = ctx.all_reduce(tf.distribute.ReduceOp.SUM, group)
-            result[indices[0]] = summed
-            continue
-        flat = tf.concat([tf.reshape(t, [-1]) for t in group], axis=0)
-        (summed,) = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [flat])
-        sizes = [num_elements(t.shape) for t in group]
-        for i, tensor, part in zip(indices, group, tf.split(summed, sizes)):
-            result[i] = tf.reshape(part, tensor.shape)
+        summed = sum_group(ctx, [tensors[i] for i in indices])
+        for i, value in zip(indices, summed):
+            result[i] = value
     return result
 
 
