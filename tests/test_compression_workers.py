@@ -21,22 +21,14 @@ def compressed_fit(hook_configs, epochs=2, batch_size=16):
     """
     import keras
     import tensorflow as tf
-    from helpers import compile_model, make_data, mlp
+    from helpers import compile_model, make_data, mlp, sharded_dataset
 
     import keras_dist
     import keras_dist.compression  # registers the hooks for deserialization
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     x, y = make_data()
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA
-    )
-    dataset = (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .batch(batch_size)
-        .with_options(options)
-    )
+    dataset = sharded_dataset(x, y, batch_size)
     results = []
     for config in hook_configs:
         hook = keras.saving.deserialize_keras_object(config)

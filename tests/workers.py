@@ -31,21 +31,13 @@ def distributed_fit(optimizer_names, epochs=2, batch_size=16, clip=False):
     """
     import keras
     import tensorflow as tf
-    from helpers import OPTIMIZERS, compile_model, make_data, mlp
+    from helpers import OPTIMIZERS, compile_model, make_data, mlp, sharded_dataset
 
     import keras_dist
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     x, y = make_data()
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA
-    )
-    dataset = (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .batch(batch_size)
-        .with_options(options)
-    )
+    dataset = sharded_dataset(x, y, batch_size)
     results = {}
     for name in optimizer_names:
         with strategy.scope():
@@ -71,7 +63,7 @@ def accumulated_fit(optimizer_names, accumulation_steps, micro_batch, epochs=2):
     """
     import keras
     import tensorflow as tf
-    from helpers import OPTIMIZERS, compile_model, make_data, mlp
+    from helpers import OPTIMIZERS, compile_model, make_data, mlp, sharded_dataset
 
     import keras_dist
 
@@ -85,16 +77,8 @@ def accumulated_fit(optimizer_names, accumulation_steps, micro_batch, epochs=2):
     }
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     x, y = make_data()
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA
-    )
     global_micro = micro_batch * strategy.num_replicas_in_sync
-    dataset = (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .batch(global_micro)
-        .with_options(options)
-    )
+    dataset = sharded_dataset(x, y, global_micro)
     results = {}
     for name in optimizer_names:
         with strategy.scope():
