@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint format docs bench clean
+.PHONY: demo test lint format docs docs-serve clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,5 +30,13 @@ format: $(STAMP)
 	$(BIN)/ruff format keras_dist tests examples benchmarks
 	$(BIN)/ruff check --fix keras_dist tests examples benchmarks
 
+# The documentation site (mkdocs + mkdocstrings), strict: a broken link or
+# reference fails. The test suite builds it too (tests/test_docs.py).
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .ruff_cache
