@@ -57,11 +57,12 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
+
+from _common import RunClock, command, import_stack, plot_path, write_report
 
 IMAGE_SIZE = 64
 NUM_CLASSES = 10
@@ -77,7 +78,6 @@ ALLOCATORS = {
 }
 MIB = 1024 * 1024
 # Run from a checkout without installing: import the keras_dist next to us.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None):
@@ -193,17 +193,10 @@ def layer_output_bytes_per_example(model):
 
 
 def child_main(spec):
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import resource
 
-    import keras
+    tf, keras, keras_dist = import_stack()
     import numpy as np
-    import tensorflow as tf
-
-    if REPO_ROOT not in sys.path:
-        sys.path.insert(0, REPO_ROOT)
-    import keras_dist
 
     rss_after_import = read_status_mib("VmRSS")
     traces = []
@@ -549,8 +542,7 @@ def main(argv=None):
     if args.child:
         print(json.dumps(child_main(json.loads(args.child))))
         return
-    load_start = os.getloadavg()
-    started = time.perf_counter()
+    clock = RunClock()
     variants = make_variants(args)
     schedule = [
         {**variant, "allocator": allocator}
@@ -575,28 +567,9 @@ def main(argv=None):
     rows, curves = summarize(runs, variants, args.allocators)
     print(markdown_table(rows, curves))
 
-    out_dir = os.path.dirname(args.out)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-    plot_path = plot(
-        runs,
-        rows,
-        curves,
-        variants,
-        args.allocators,
-        os.path.splitext(args.out)[0] + ".png",
-    )
     report = {
-        "command": " ".join(["python", *sys.argv]),
-        "environment": {
-            "python": platform.python_version(),
-            **runs[0]["versions"],
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "load_average_start": load_start,
-            "load_average_end": os.getloadavg(),
-            "wall_seconds": time.perf_counter() - started,
-        },
+        "command": command(),
+        "environment": clock.environment(runs[0]["versions"]),
         "setup": {
             "micro_batch": args.micro_batch,
             "accumulation_steps": args.accumulation_steps,
@@ -622,11 +595,11 @@ def main(argv=None):
         "runs": runs,
         "summary": rows,
         "batch_curves": curves,
-        "plot": plot_path,
+        "plot": plot(
+            runs, rows, curves, variants, args.allocators, plot_path(args.out)
+        ),
     }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"\nWrote {args.out}" + (f" and {plot_path}" if plot_path else ""))
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -41,12 +41,12 @@ own process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
+
+from _common import RunClock, command, import_stack, plot_path, versions, write_report
 
 NUM_LOGICAL_CPUS = 2
 IMAGE_SIZE = 16
@@ -56,8 +56,6 @@ DENSE_UNITS = 256
 WARMUP_UPDATES = 3
 KINDS = ("plain", "micro", "update")
 OPTIMIZERS = {"adam": "Adam", "sgd": "SGD"}
-# Run from a checkout without installing: import the keras_dist next to us.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None):
@@ -105,14 +103,6 @@ def parse_args(argv=None):
             f"Received: {args.accumulation_steps}."
         )
     return args
-
-
-def configure_devices(tf):
-    """Splits the CPU into logical devices; must run before TF initialises."""
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
-    )
 
 
 def make_data(np):
@@ -396,48 +386,19 @@ def plot(result, k, optimizer, path):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    import tensorflow as tf
-
-    configure_devices(tf)
-    import keras
+    tf, keras, keras_dist = import_stack(NUM_LOGICAL_CPUS)
     import numpy as np
 
-    if REPO_ROOT not in sys.path:
-        sys.path.insert(0, REPO_ROOT)
-    import keras_dist
-
     x, y = make_data(np)
-    load_start = os.getloadavg()
-    started = time.perf_counter()
+    clock = RunClock()
     result = run(tf, keras, keras_dist, args, x, y)
     summary = summarize(result, args.accumulation_steps)
     print(markdown_table(summary, args.accumulation_steps, args.micro_batch))
-
-    out_dir = os.path.dirname(args.out)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-    plot_path = plot(
-        result,
-        args.accumulation_steps,
-        OPTIMIZERS[args.optimizer],
-        os.path.splitext(args.out)[0] + ".png",
-    )
     report = {
-        "command": " ".join(["python", *sys.argv]),
-        "environment": {
-            "python": platform.python_version(),
-            "tensorflow": tf.__version__,
-            "keras": keras.__version__,
-            "keras_dist": keras_dist.__version__,
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "logical_cpu_devices": NUM_LOGICAL_CPUS,
-            "load_average_start": load_start,
-            "load_average_end": os.getloadavg(),
-            "wall_seconds": time.perf_counter() - started,
-        },
+        "command": command(),
+        "environment": clock.environment(
+            versions(tf, keras, keras_dist), logical_cpu_devices=NUM_LOGICAL_CPUS
+        ),
         "setup": {
             "micro_batch_per_replica": args.micro_batch,
             "global_batch_per_call": args.micro_batch * NUM_LOGICAL_CPUS,
@@ -458,11 +419,14 @@ def main(argv=None):
         },
         "results": result,
         "summary": summary,
-        "plot": plot_path,
+        "plot": plot(
+            result,
+            args.accumulation_steps,
+            OPTIMIZERS[args.optimizer],
+            plot_path(args.out),
+        ),
     }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"\nWrote {args.out}" + (f" and {plot_path}" if plot_path else ""))
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -35,16 +35,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
+
+from _common import RunClock, command, import_stack, plot_path, versions, write_report
 
 NUM_LOGICAL_CPUS = 2
 PER_REPLICA_BATCH = 8
 BASE_BATCH = PER_REPLICA_BATCH * NUM_LOGICAL_CPUS
 RUNS = ("fixed-small", "fixed-large", "adaptive")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None):
@@ -102,14 +102,6 @@ def parse_args(argv=None):
         help="JSON file for the raw results; the plot goes next to it (.png).",
     )
     return parser.parse_args(argv)
-
-
-def configure_devices(tf):
-    """Splits the CPU into logical devices; must run before TF initialises."""
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
-    )
 
 
 def load_digits(np):
@@ -404,25 +396,15 @@ def main(argv=None):
     if args.summarize:
         resummarize(args.summarize)
         return
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    import tensorflow as tf
-
-    configure_devices(tf)
-    import keras
+    tf, keras, keras_dist = import_stack(NUM_LOGICAL_CPUS)
     import numpy as np
-
-    if REPO_ROOT not in sys.path:
-        sys.path.insert(0, REPO_ROOT)
-    import keras_dist
 
     data = load_digits(np)
     strategy = tf.distribute.MirroredStrategy(
         [f"/cpu:{i}" for i in range(NUM_LOGICAL_CPUS)],
         cross_device_ops=tf.distribute.ReductionToOneDevice(),
     )
-    load_start = os.getloadavg()
-    started = time.perf_counter()
+    clock = RunClock()
     results = []
     for seed in args.seeds:
         for run in RUNS:
@@ -439,24 +421,11 @@ def main(argv=None):
     rows = summarize(results, args.window, tolerances)
     print(markdown_table(rows, args.epochs, args.window, tolerances))
 
-    out_dir = os.path.dirname(args.out)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-    plot_path = plot(results, os.path.splitext(args.out)[0] + ".png")
     report = {
-        "command": " ".join(["python", *sys.argv]),
-        "environment": {
-            "python": platform.python_version(),
-            "tensorflow": tf.__version__,
-            "keras": keras.__version__,
-            "keras_dist": keras_dist.__version__,
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "logical_cpu_devices": NUM_LOGICAL_CPUS,
-            "load_average_start": load_start,
-            "load_average_end": os.getloadavg(),
-            "wall_seconds": time.perf_counter() - started,
-        },
+        "command": command(),
+        "environment": clock.environment(
+            versions(tf, keras, keras_dist), logical_cpu_devices=NUM_LOGICAL_CPUS
+        ),
         "setup": {
             "data": "sklearn load_digits, x / 16, 80/20 stratified split (seed 0)",
             "model": "Dense(128, relu)-Dense(64, relu)-Dense(10)",
@@ -477,11 +446,9 @@ def main(argv=None):
         },
         "results": results,
         "summary": rows,
-        "plot": plot_path,
+        "plot": plot(results, plot_path(args.out)),
     }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"\nWrote {args.out}" + (f" and {plot_path}" if plot_path else ""))
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

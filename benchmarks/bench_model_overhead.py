@@ -28,12 +28,12 @@ matplotlib is importable.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
+
+from _common import RunClock, command, import_stack, plot_path, versions, write_report
 
 NUM_LOGICAL_CPUS = 2
 IMAGE_SIZE = 8
@@ -42,8 +42,6 @@ NUM_EXAMPLES = 2048
 MODEL_NAMES = ("keras.Model", "DistributedModel")
 TARGET_RATIO = 1.03
 WARMUP_STEPS = 5
-# Run from a checkout without installing: import the keras_dist next to us.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None):
@@ -88,14 +86,6 @@ def parse_args(argv=None):
             f"MirroredStrategy replicas). Received: {args.batch_size}."
         )
     return args
-
-
-def configure_devices(tf):
-    """Splits the CPU into logical devices; must run before TF initialises."""
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
-    )
 
 
 def make_data(np):
@@ -300,50 +290,23 @@ def plot(results, path):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    import tensorflow as tf
-
-    configure_devices(tf)
-    import keras
+    tf, keras, keras_dist = import_stack(NUM_LOGICAL_CPUS)
     import numpy as np
 
-    if REPO_ROOT not in sys.path:
-        sys.path.insert(0, REPO_ROOT)
-    import keras_dist
-
     x, y = make_data(np)
-    load_start = os.getloadavg()
-    started = time.perf_counter()
+    clock = RunClock()
     results = {}
     for strategy_name in args.strategies:
         results[strategy_name] = run_strategy(
             tf, keras, keras_dist, strategy_name, args, x, y
         )
     rows = summarize(results)
-    table = markdown_table(rows)
-    print(table)
-
-    out_dir = os.path.dirname(args.out)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-    plot_path = plot(results, os.path.splitext(args.out)[0] + ".png")
+    print(markdown_table(rows))
     report = {
-        "command": " ".join(["python", *sys.argv]),
-        "environment": {
-            "python": platform.python_version(),
-            "tensorflow": tf.__version__,
-            "keras": keras.__version__,
-            "keras_dist": keras_dist.__version__,
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "logical_cpu_devices": NUM_LOGICAL_CPUS,
-            # Other work on the machine shifts absolute times; the ratios are
-            # paired to resist it.
-            "load_average_start": load_start,
-            "load_average_end": os.getloadavg(),
-            "wall_seconds": time.perf_counter() - started,
-        },
+        "command": command(),
+        "environment": clock.environment(
+            versions(tf, keras, keras_dist), logical_cpu_devices=NUM_LOGICAL_CPUS
+        ),
         "setup": {
             "steps": args.steps,
             "rounds": args.rounds,
@@ -355,11 +318,9 @@ def main(argv=None):
         },
         "results": results,
         "summary": rows,
-        "plot": plot_path,
+        "plot": plot(results, plot_path(args.out)),
     }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"\nWrote {args.out}" + (f" and {plot_path}" if plot_path else ""))
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -64,9 +64,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--verbose",
         type=int,
-        default=2,
+        default=1,
         choices=(0, 1, 2),
-        help="Keras fit verbosity (default 2: one line per epoch)",
+        help="Keras fit verbosity (default 1: progress bars; 2: one line per epoch)",
     )
     args = parser.parse_args(argv)
     if args.replicas is not None and args.replicas < 1:
@@ -284,11 +284,12 @@ def _plot(results, path) -> bool:
     except ImportError:
         return False
     names = [r.name for r in results]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.5))
     panels = [
         ("test accuracy", [r.test_accuracy for r in results]),
         ("samples / s", [r.samples_per_second for r in results]),
         ("KiB sent per step per replica", [r.bytes_per_step / 1024 for r in results]),
+        ("compression ratio", [r.compression_ratio for r in results]),
     ]
     for axis, (title, values) in zip(axes, panels):
         axis.barh(names, values, color="#4878a8")
