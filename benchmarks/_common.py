@@ -107,3 +107,26 @@ def write_report(out: str, report: dict) -> None:
         json.dump(report, handle, indent=2)
     plot = report.get("plot")
     print(f"\nWrote {out}" + (f" and {plot}" if plot else " (no plot)"))
+
+
+def pyplot():
+    """Returns `matplotlib.pyplot` on the Agg backend, or `None` without it."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot.", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, path: str, dpi: int = 110) -> str:
+    """Lays out, writes and closes `figure`; returns `path`."""
+    from matplotlib import pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+    plt.close(figure)
+    return path

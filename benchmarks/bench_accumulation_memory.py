@@ -62,7 +62,15 @@ import subprocess
 import sys
 import time
 
-from _common import RunClock, command, import_stack, plot_path, write_report
+from _common import (
+    RunClock,
+    command,
+    import_stack,
+    plot_path,
+    pyplot,
+    save_figure,
+    write_report,
+)
 
 IMAGE_SIZE = 64
 NUM_CLASSES = 10
@@ -434,13 +442,9 @@ def markdown_table(rows, curves):
 
 
 def plot(runs, rows, curves, variants, allocators, path):
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot.", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
 
     colors = {"big batch": "tab:red", "accumulation": "tab:blue"}
     colors["micro-batch"] = "tab:gray"
@@ -531,10 +535,7 @@ def plot(runs, rows, curves, variants, allocators, path):
         f"{accumulation['accumulation_steps']} x {accumulation['batch_size']} "
         "with GradientAccumulationOptimizer"
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def main(argv=None):

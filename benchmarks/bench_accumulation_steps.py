@@ -46,7 +46,16 @@ import statistics
 import sys
 import time
 
-from _common import RunClock, command, import_stack, plot_path, versions, write_report
+from _common import (
+    RunClock,
+    command,
+    import_stack,
+    plot_path,
+    pyplot,
+    save_figure,
+    versions,
+    write_report,
+)
 
 NUM_LOGICAL_CPUS = 2
 IMAGE_SIZE = 16
@@ -316,13 +325,9 @@ def markdown_table(summary, k, micro_batch):
 
 
 def plot(result, k, optimizer, path):
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot.", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
 
     accumulation = result["calls"]["accumulation"]
     plain = result["calls"]["plain"]
@@ -378,10 +383,7 @@ def plot(result, k, optimizer, path):
         f"GradientAccumulationOptimizer({optimizer}) on MirroredStrategy, "
         f"2 logical CPUs, k={k}"
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def main(argv=None):

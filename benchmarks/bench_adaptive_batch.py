@@ -39,7 +39,16 @@ import statistics
 import sys
 import time
 
-from _common import RunClock, command, import_stack, plot_path, versions, write_report
+from _common import (
+    RunClock,
+    command,
+    import_stack,
+    plot_path,
+    pyplot,
+    save_figure,
+    versions,
+    write_report,
+)
 
 NUM_LOGICAL_CPUS = 2
 PER_REPLICA_BATCH = 8
@@ -302,13 +311,9 @@ def markdown_table(rows, epochs, window, tolerances):
 
 
 def plot(results, path):
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot.", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
 
     seed = results[0]["seed"]
     runs = {r["run"]: r for r in results if r["seed"] == seed}
@@ -364,10 +369,7 @@ def plot(results, path):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     fig.suptitle(f"digits, MLP, 2 replicas x 8 per replica, seed {seed}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def target_tolerances(test_examples):

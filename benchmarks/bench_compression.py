@@ -37,6 +37,8 @@ import sys
 import tempfile
 import time
 
+from _common import pyplot, save_figure
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOOKS = {
     "none": ("NoCompression", {}),
@@ -292,12 +294,8 @@ def format_table(results, rate) -> str:
 
 
 def plot(results, rate, path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     keys = list(results["shaped"])
     positions = range(len(keys))
@@ -319,9 +317,7 @@ def plot(results, rate, path) -> bool:
         f"{params / 1e6:.1f}M-parameter MLP"
     )
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
     return True
 
 

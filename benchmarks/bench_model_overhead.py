@@ -33,7 +33,16 @@ import statistics
 import sys
 import time
 
-from _common import RunClock, command, import_stack, plot_path, versions, write_report
+from _common import (
+    RunClock,
+    command,
+    import_stack,
+    plot_path,
+    pyplot,
+    save_figure,
+    versions,
+    write_report,
+)
 
 NUM_LOGICAL_CPUS = 2
 IMAGE_SIZE = 8
@@ -243,13 +252,9 @@ def markdown_table(rows):
 
 
 def plot(results, path):
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot.", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
 
     panels = [
         (strategy_name, mode, timings)
@@ -282,10 +287,7 @@ def plot(results, path):
     axis.set_title("paired ratio DistributedModel / keras.Model", fontsize=9)
     axis.grid(axis="y", alpha=0.3)
     figure.suptitle("Training step time, same CNN, same strategy (lower is better)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def main(argv=None):
