@@ -276,10 +276,17 @@ class AutoScaleBatch(keras.callbacks.Callback):
 
     Raises:
         ValueError: non-positive sizes, unknown `lr_scaling`, contradictory
-            warmup arguments, `max_batch_size` outside adaptive mode or below
-            the starting global batch.
-        TypeError: arguments of the wrong type; adaptive mode without a
-            `GradientAccumulationOptimizer` (raised when `fit` starts).
+            warmup arguments, warmup without `lr_scaling`, `max_batch_size`
+            missing in adaptive mode, given outside it or below
+            `per_replica_batch_size`, `ema_decay` outside `[0, 1)`,
+            `max_growth <= 1`. When `fit` starts: adaptive mode with one
+            replica, `max_batch_size` below the starting global batch,
+            `warmup_epochs` with an unknown number of steps per epoch.
+        TypeError: arguments of the wrong type. When `fit` starts: adaptive
+            mode without a `GradientAccumulationOptimizer`, or a
+            `LearningRateSchedule` not wrapped in `ScaledLearningRate` while
+            `lr_scaling` is set.
+        RuntimeError: when `fit` starts, the model is not compiled.
 
     Example:
 

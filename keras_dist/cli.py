@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name; `None` reads `sys.argv[1:]`. Defaults to `None`.
 
     Returns:
-        The exit status: `0` on success, `2` for a usage error, `130` when
+        The exit status. `0` on success, `2` for a usage error, `130` when
         interrupted, otherwise the status of what failed (for `launch`, the
         exit code of the first task that failed).
     """
@@ -138,7 +138,10 @@ def launch(
     and stderr are merged and every line is written to `stdout` as it comes,
     prefixed with the task name: `[worker:1] ...`. Parameter-server tasks do
     not run `command`: each runs a TensorFlow gRPC server until the training
-    tasks are done, and is then stopped.
+    tasks are done, and is then stopped. With parameter servers and a chief,
+    the chief is the `ParameterServerStrategy` coordinator: when it exits
+    with status 0 the job is done, and workers still running (serving with
+    `tf.distribute.Server(...).join()`, which never returns) are stopped.
 
     The first training task that fails stops all the others (SIGTERM, then
     SIGKILL after `grace_period` seconds). A parameter server that exits while
@@ -164,7 +167,8 @@ def launch(
             `None` means `sys.stderr`. Defaults to `None`.
 
     Returns:
-        `0` when every chief and worker task exited with status 0; otherwise
+        `0` when every chief and worker task exited with status 0 (with
+        parameter servers and a chief: when the chief did); otherwise
         the exit status of the first task that failed (`128 + N` for a task
         killed by signal N), `127` when `command` could not be started, `130`
         after Ctrl-C and `143` after SIGTERM.
@@ -320,7 +324,10 @@ def _build_parser() -> argparse.ArgumentParser:
     launch_parser.add_argument(
         "--chief",
         action="store_true",
-        help="add a chief task, which also runs COMMAND",
+        help=(
+            "add a chief task, which also runs COMMAND; with --ps it is the "
+            "coordinator, and the launch ends when it does"
+        ),
     )
     launch_parser.add_argument(
         "--host",
@@ -448,6 +455,11 @@ def _wait_for_tasks(tasks: list[_Task], err: IO[str]) -> int:
     """Waits for the training tasks; returns the launcher's exit status."""
     training = [task for task in tasks if task.task_type != "ps"]
     servers = [task for task in tasks if task.task_type == "ps"]
+    # With parameter servers the chief is the coordinator: the job is done
+    # when it is, and the workers, which only serve, are stopped then.
+    coordinator = next((t for t in training if t.task_type == "chief"), None)
+    if not servers:
+        coordinator = None
     while training:
         for task in list(training):
             code = task.process.poll()
@@ -463,6 +475,14 @@ def _wait_for_tasks(tasks: list[_Task], err: IO[str]) -> int:
                     "stopping the other tasks.",
                 )
                 return _exit_status(code)
+            if task is coordinator:
+                if training:
+                    _say(
+                        err,
+                        f"{task.name} (the coordinator) finished; stopping the "
+                        f"{len(training)} worker task(s) still serving.",
+                    )
+                return 0
         for server in servers:
             code = server.process.poll()
             if code is not None:

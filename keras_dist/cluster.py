@@ -38,6 +38,9 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
     Returns:
         A list of `count` port numbers.
+
+    Raises:
+        ValueError: `count` is not an integer >= 1.
     """
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ValueError(f"`count` must be an integer >= 1. Received: count={count!r}.")
@@ -67,7 +70,12 @@ def local_cluster(
             `"localhost"`.
 
     Returns:
-        A dict such as `{"worker": ["localhost:40001", "localhost:40002"]}`.
+        A dict from task type to addresses, such as
+        `{"worker": ["localhost:40001", "localhost:40002"]}`.
+
+    Raises:
+        TypeError: `workers` is not an int.
+        ValueError: `workers` or `ps` is out of range.
     """
     min_workers = 0 if chief else 1
     if not isinstance(workers, int) or isinstance(workers, bool):
@@ -103,6 +111,10 @@ def make_tf_config(
 
     Returns:
         The JSON string; it is validated with `parse_tf_config` first.
+
+    Raises:
+        ValueError: the result would not be a valid `TF_CONFIG` (see
+            `parse_tf_config`).
     """
     text = json.dumps(
         {"cluster": cluster, "task": {"type": task_type, "index": task_index}}

@@ -228,8 +228,8 @@ def memory_growth_state() -> dict[str, bool]:
     override it (`"true"` or `"false"`). Nothing is initialised.
 
     Returns:
-        A dict from physical device name (e.g. `"/physical_device:GPU:0"`) to
-        a bool; empty when TensorFlow sees no GPU.
+        A dict from each physical GPU's name to a bool, for example
+        `{"/physical_device:GPU:0": True}`; empty when TensorFlow sees no GPU.
 
     Example:
 

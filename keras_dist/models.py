@@ -72,8 +72,8 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         all_reduce_hook: `keras_dist.compression.AllReduceHook` or `None`. How
             gradients are summed across replicas. Defaults to `None`, a plain
             sum all-reduce (`NoCompression()`).
-        *args, **kwargs: Passed to `keras.Model` (`inputs`, `outputs`, `name`,
-            ...).
+        *args: Passed to `keras.Model` (`inputs`, `outputs`, ...).
+        **kwargs: Passed to `keras.Model` (`inputs`, `outputs`, `name`, ...).
     """
 
     def __new__(cls, *args, **kwargs):
@@ -241,6 +241,21 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         loss scaling goes inside it (`GradientAccumulationOptimizer(
         LossScaleOptimizer(inner))`), so the loss scale is checked on the
         reduced, accumulated gradient, identically on every replica.
+
+        Args:
+            optimizer: As in `keras.Model.compile`: a Keras optimizer, or the
+                name of one. Defaults to `"rmsprop"`.
+            *args: Further positional arguments of `keras.Model.compile`.
+            auto_scale_loss: Bool. As in Keras: under `mixed_float16`, add
+                loss scaling (inside a `GradientAccumulationOptimizer`, see
+                above). Defaults to `True`.
+            **kwargs: Further arguments of `keras.Model.compile` (`loss`,
+                `metrics`, `steps_per_execution`, ...).
+
+        Raises:
+            RuntimeError: under `mixed_float16`, a
+                `GradientAccumulationOptimizer` whose inner optimizer has no
+                loss scaling is already built, so it cannot be added.
         """
         optimizer = keras.optimizers.get(optimizer)
         if (

@@ -78,6 +78,21 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             steps. With `DistributedModel`, leave it `None` and set the hook on
             the model. Defaults to `None` (plain sum).
         name: String or `None`. Name of the optimizer.
+        **kwargs: Base optimizer arguments, accepted only at their Keras
+            default values: `clipnorm`, `global_clipnorm`, `clipvalue`,
+            `weight_decay`, `use_ema`, `ema_momentum`,
+            `ema_overwrite_frequency`, `loss_scale_factor` and
+            `gradient_accumulation_steps` belong on the `inner_optimizer`.
+            Any other value, or any other argument, raises `ValueError`.
+
+    Raises:
+        TypeError: `inner_optimizer` is not a Keras optimizer instance, or
+            `accumulation_steps` is not an int.
+        ValueError: `accumulation_steps` < 1, `inner_optimizer` already
+            accumulates (a wrapped `GradientAccumulationOptimizer` or Keras's
+            `gradient_accumulation_steps`), or a refused argument. When the
+            optimizer is built: `inner_optimizer` was created outside the
+            strategy scope the model trains under.
 
     Example:
 

@@ -72,6 +72,9 @@ def run_workers(
         The list of return values, indexed by worker.
 
     Raises:
+        TypeError: `fn` is not callable.
+        ValueError: `fn` is not a module-level function (a lambda, a nested
+            function, a `functools.partial`), or `num_workers` < 1.
         WorkerError: a worker raised, exited non-zero or timed out. The message
             holds that worker's traceback and the tail of its output.
     """

@@ -219,6 +219,75 @@ def test_ps_task_serves_until_the_workers_finish(tmp_path, capsys):
     _wait_gone(int(re.search(r"\(pid (\d+)\)", listening[0]).group(1)), timeout=1.0)
 
 
+def test_with_ps_the_launch_ends_when_the_chief_does(tmp_path, capsys):
+    # ParameterServerStrategy workers only serve (`server.join()` never
+    # returns); the chief, the coordinator, decides when the job is done.
+    script = _write_script(tmp_path, "sleeper.py", SLEEPER)
+    chief = _write_script(
+        tmp_path,
+        "chief_or_sleeper.py",
+        f"""
+        import os, runpy, sys, time
+        if os.environ["KERAS_DIST_TASK"] == "chief:0":
+            deadline = time.monotonic() + 60
+            while len([n for n in os.listdir(sys.argv[1]) if n.endswith(".pid")]) < 2:
+                assert time.monotonic() < deadline, "workers did not start"
+                time.sleep(0.05)
+            print("coordinator done")
+        else:
+            runpy.run_path({script!r}, run_name="__main__")
+        """,
+    )
+    pids = tmp_path / "pids"
+    pids.mkdir()
+
+    status = cli.main(
+        [
+            "launch",
+            "--workers",
+            "2",
+            "--ps",
+            "1",
+            "--chief",
+            "--",
+            sys.executable,
+            chief,
+            str(pids),
+            "300",
+        ]
+    )
+
+    captured = capsys.readouterr()
+    assert status == 0, captured.out + captured.err
+    assert "coordinator done" in _task_lines(captured.out, "chief:0")
+    assert "chief:0 (the coordinator) finished; stopping the 2 worker task(s)" in (
+        captured.err
+    )
+    for name in ("worker_0", "worker_1"):
+        _wait_gone(int((pids / f"{name}.pid").read_text()), timeout=1.0)
+
+
+def test_without_ps_a_finished_chief_waits_for_the_workers(tmp_path, capsys):
+    script = _write_script(
+        tmp_path,
+        "chief_first.py",
+        """
+        import os, time
+        if os.environ["KERAS_DIST_TASK"] == "worker:0":
+            time.sleep(1.5)
+        print("done")
+        """,
+    )
+
+    status = cli.main(
+        ["launch", "--workers", "1", "--chief", "--", sys.executable, script]
+    )
+
+    output = capsys.readouterr().out
+    assert status == 0
+    assert _task_lines(output, "worker:0") == ["done"]
+
+
 def test_module_launcher_stops_its_tasks_on_sigint(tmp_path):
     script = _write_script(tmp_path, "sleeper.py", SLEEPER)
     command = [sys.executable, script, str(tmp_path), "60"]

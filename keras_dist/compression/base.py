@@ -22,6 +22,7 @@ SUPPORTED_DTYPES = (
     tf.int32,
     tf.int64,
 )
+"""Gradient and variable dtypes the hooks accept: those every collective sums."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,8 +322,8 @@ class AllReduceHook(tf.Module):
             variables: List of the matching variables given to `build`.
 
         Returns:
-            A tuple `(gradients, indices)`: the gradients as dense tensors and
-            each one's index into `variable_specs`.
+            A tuple `(gradients, indices)` of the gradients as dense tensors
+            and each one's index into `variable_specs`.
 
         Raises:
             RuntimeError: the hook is not built.
