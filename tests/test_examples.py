@@ -74,3 +74,82 @@ def test_demo_runs_and_writes_its_table(tmp_path):
     assert two["bytes_per_step"] > 0
     assert (tmp_path / "results.md").exists()
     assert (tmp_path / "results.png").exists()
+
+
+def _table_rows(out, first_cell):
+    """The cells of the markdown table rows of `out` that start with `first_cell`."""
+    return [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in out.splitlines()
+        if line.startswith(f"| {first_cell}")
+    ]
+
+
+def test_custom_training_loop_example_matches_one_device():
+    script = os.path.join(EXAMPLES, "custom_training_loop.py")
+    out = run([script, "--smoke", "--accumulation-steps", "2"])
+    assert "2 replicas, custom loop (strategy.run + apply_gradients)" in out
+    assert "2 micro-batch(es) per update -> 64 examples per update" in out
+    [line] = [line for line in out.splitlines() if line.startswith("max |w_2")]
+    difference = float(line.split("=")[1].split()[0])
+    assert difference < 1e-5, line
+    epochs = [line.split("(")[0] for line in out.splitlines() if "  epoch " in line]
+    # Both runs log the same loss and accuracy, epoch by epoch.
+    assert len(epochs) == 4 and epochs[:2] == epochs[2:], epochs
+    # 8 micro-batches of 32 per epoch, 2 per update.
+    assert "(8 steps, 4 updates so far" in out
+
+
+def test_mixed_precision_example_wires_loss_scaling_inside_accumulation():
+    out = run([os.path.join(EXAMPLES, "mixed_precision.py"), "--smoke"])
+    assert (
+        "DistributedModel.compile gives:  GradientAccumulationOptimizer("
+        "accumulation_steps=2) -> LossScaleOptimizer(" in out
+    )
+    assert "keras.Model.compile would give: LossScaleOptimizer(" in out
+    assert "layer 'hidden': computes in float16, kernel variable float32" in out
+    assert "layer 'logits': computes in float32, kernel variable float32" in out
+    assert "loss scale: 32768 at the start" in out
+    rows = {row[0]: row for row in _table_rows(out, "mixed_float16")}
+    rows.update({row[0]: row for row in _table_rows(out, "float32")})
+    assert rows["mixed_float16"][1] == "float16" and rows["float32"][1] == "float32"
+    for row in rows.values():
+        loss = float(row[2])
+        assert 0 < loss < 2.5, row  # finite, and below log(10) = 2.30 + noise
+
+
+def test_memory_growth_example_explains_no_gpu_and_too_late():
+    import tensorflow as tf
+
+    out = run([os.path.join(EXAMPLES, "memory_growth.py"), "--smoke"])
+    assert "same arguments: returns the first result unchanged: True" in out
+    assert "other arguments raise RuntimeError:" in out
+    assert "GPU memory settings are fixed once per process" in out
+    assert "per-replica batch 64 fits." in out
+    assert "with a 10% safety margin: 57." in out
+    if tf.config.list_physical_devices("GPU"):
+        assert "memory_growth=True" in out
+        assert "late call raised RuntimeError: TensorFlow has already" in out
+        return
+    assert "returned MemoryConfig(devices=()" in out
+    assert "memory_growth_state() = {}" in out
+    assert "TensorFlow sees no GPU, so there was nothing to configure" in out
+    assert "late call returned MemoryConfig(devices=()" in out
+    assert "auto_strategy(cpu_replicas=4) raised RuntimeError:" in out
+    assert "TensorFlow is already initialised with 2" in out
+    assert "per-replica batch 57 (global 114)" in out
+
+
+def test_custom_hook_example_compresses_and_error_feedback_converges():
+    out = run([os.path.join(EXAMPLES, "custom_hook.py"), "--smoke"])
+    assert "compression_ratio: 3.98" in out  # in fit's logs
+    [int8] = _table_rows(out, "Int8(error_feedback=True) | 3.")
+    [plain] = _table_rows(out, "NoCompression() | 1.")
+    assert float(int8[1]) > 3.9
+    assert abs(float(int8[3]) - float(plain[3])) <= 0.05  # test accuracy
+    assert "round trip through get_config: Int8(error_feedback=True)" in out
+    errors = {row[0]: row for row in _table_rows(out, "") if len(row) == 3}
+    one, many = (float(v) for v in errors["Int8(error_feedback=True)"][1:])
+    no_feedback = float(errors["Int8(error_feedback=False)"][2])
+    # Error feedback: the error of the sum over 10 steps shrinks ~10x.
+    assert many < one / 5 and many < no_feedback / 5, errors
