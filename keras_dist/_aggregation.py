@@ -80,8 +80,7 @@ def reduce_and_apply(optimizer, gradients, variables, hook: AllReduceHook):
         raise RuntimeError(
             f"The all-reduce hook {hook!r} was not built. Build the model "
             "before training (keras_dist builds hooks when `fit` starts or "
-            "when `model.build_all_reduce_hook()` is called under the "
-            "strategy scope)."
+            "when `model.build_all_reduce_hook()` is called)."
         )
     pairs = [(g, v) for g, v in zip(gradients, variables) if g is not None]
     if not pairs:

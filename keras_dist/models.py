@@ -284,21 +284,47 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         super().compile(optimizer, *args, auto_scale_loss=auto_scale_loss, **kwargs)
 
     def _build_hook(self):
-        if not self.all_reduce_hook.built:
-            if not tf.distribute.in_cross_replica_context():
-                raise RuntimeError(
-                    "The all-reduce hook must be built before the first replica "
-                    "step. Call `model.build_all_reduce_hook()` under "
-                    "`strategy.scope()` before `strategy.run` (fit does it)."
-                )
-            self.build_all_reduce_hook()
+        # A GradientAccumulationOptimizer creates replica-local variables and
+        # builds its hook in cross-replica context: it cannot build lazily
+        # inside the `strategy.run` of a real strategy as a plain Keras
+        # optimizer does (under the default strategy it can).
+        unbuilt_accumulator = (
+            isinstance(self.optimizer, GradientAccumulationOptimizer)
+            and not getattr(self.optimizer, "built", False)
+            and tf.distribute.has_strategy()
+        )
+        if self.all_reduce_hook.built and not unbuilt_accumulator:
+            return
+        if not tf.distribute.in_cross_replica_context():
+            missing = (
+                "The all-reduce hook"
+                if not self.all_reduce_hook.built
+                else "The GradientAccumulationOptimizer"
+            )
+            raise RuntimeError(
+                f"{missing} must be built before the first replica step. Call "
+                "`model.build_all_reduce_hook()` after `model.compile(...)` and "
+                "before `strategy.run` (fit does it)."
+            )
+        self.build_all_reduce_hook()
 
     def build_all_reduce_hook(self) -> None:
-        """Creates the hook's state for the model's trainable variables.
+        """Builds the hook's state and the optimizer for the trainable variables.
 
-        `fit` calls it; call it yourself before a custom training loop that
-        uses `apply_gradients` and a stateful hook.
+        `fit` builds what it needs itself. Call this after `compile` and
+        before a custom training loop that calls `apply_gradients` inside
+        `strategy.run`: the hook (even the stateless default) and a
+        `GradientAccumulationOptimizer` must be built in cross-replica
+        context. It enters the model's strategy scope itself and does nothing
+        for what is already built.
         """
+        self._build_hook_state()
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            with self.distribute_strategy.scope():
+                optimizer.build(self.trainable_variables)
+
+    def _build_hook_state(self) -> None:
         _aggregation.build_hook(
             self.all_reduce_hook, self.trainable_variables, self.distribute_strategy
         )
@@ -331,7 +357,7 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         self._check_strategy()
-        self.build_all_reduce_hook()
+        self._build_hook_state()
         self.train_function = self._make_distributed_function(self.train_step)
         return self.train_function
 
@@ -453,7 +479,7 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         super().load_own_variables(
             {k: store[k] for k in names if not k.startswith(_HOOK_STATE_PREFIX)}
         )
-        self.build_all_reduce_hook()
+        self._build_hook_state()
         state = self.all_reduce_hook.state_variables
         if len(state) != len(keys):
             raise ValueError(

@@ -77,6 +77,58 @@ def test_mirrored_accumulation_equals_big_batch(optimizer_name):
 
 
 @pytest.mark.parametrize("optimizer_name", ["momentum", "adamw_clip"])
+def test_custom_loop_accumulation_equals_big_batch(optimizer_name):
+    # The seeds' loop (strategy.run + strategy.reduce) through
+    # model.apply_gradients: build_all_reduce_hook builds the accumulation
+    # optimizer too, which cannot build inside strategy.run.
+    reference = big_batch_reference(optimizer_name, batch_size=32, epochs=1)
+    x, y = make_data()
+    strategy = mirrored(2)
+    model = accumulated_model(strategy, optimizer_name, steps=2)
+    assert not model.optimizer.built
+    model.build_all_reduce_hook()
+    assert model.optimizer.built and model.all_reduce_hook.built
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="sum"
+    )
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    )
+
+    def train_step(batch):
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(features, training=True)) / 16
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.apply_gradients(grads, model.trainable_variables)
+        return loss
+
+    @tf.function
+    def distributed_step(batch):
+        return strategy.reduce("SUM", strategy.run(train_step, args=(batch,)), None)
+
+    for batch in dataset:
+        distributed_step(batch)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
+
+
+def test_custom_loop_without_build_says_what_to_call():
+    strategy = mirrored(2)
+    model = accumulated_model(strategy, "sgd", steps=2)
+    x, _ = make_data(n=16)
+
+    def train_step(features):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(features)) / 16
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.apply_gradients(grads, model.trainable_variables)
+
+    with pytest.raises(RuntimeError, match=r"model\.build_all_reduce_hook\(\)"):
+        strategy.run(tf.function(train_step), args=(tf.constant(x),))
+
+
+@pytest.mark.parametrize("optimizer_name", ["momentum", "adamw_clip"])
 def test_plain_keras_model_accumulation_equals_big_batch(optimizer_name):
     reference = big_batch_reference(optimizer_name, batch_size=32)
     x, y = make_data()
