@@ -286,17 +286,21 @@ def _plot(results, path) -> bool:
     names = [r.name for r in results]
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.5))
     panels = [
-        ("test accuracy", [r.test_accuracy for r in results]),
-        ("samples / s", [r.samples_per_second for r in results]),
-        ("KiB sent per step per replica", [r.bytes_per_step / 1024 for r in results]),
-        ("compression ratio", [r.compression_ratio for r in results]),
+        ("test accuracy", ".3f", [r.test_accuracy for r in results]),
+        ("samples / s", ",.0f", [r.samples_per_second for r in results]),
+        (
+            "KiB sent per step per replica",
+            ",.1f",
+            [r.bytes_per_step / 1024 for r in results],
+        ),
+        ("compression ratio", ".1f", [r.compression_ratio for r in results]),
     ]
-    for axis, (title, values) in zip(axes, panels):
+    for axis, (title, spec, values) in zip(axes, panels):
         axis.barh(names, values, color="#4878a8")
         axis.set_title(title)
         axis.invert_yaxis()
         for index, value in enumerate(values):
-            axis.text(value, index, f" {value:,.3g}", va="center", fontsize=8)
+            axis.text(value, index, f" {value:{spec}}", va="center", fontsize=8)
     for axis in axes[1:]:
         axis.set_yticklabels([])
     fig.suptitle("keras-dist demo: small CNN on digits")
