@@ -33,10 +33,10 @@ format: $(STAMP)
 # The documentation site (mkdocs + mkdocstrings), strict: a broken link or
 # reference fails. The test suite builds it too (tests/test_docs.py).
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 docs-serve: $(STAMP)
-	$(BIN)/mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .ruff_cache
