@@ -90,19 +90,21 @@ def command() -> str:
     return " ".join(["python", *sys.argv])
 
 
-def plot_path(out: str) -> str:
-    """Returns the PNG path beside the JSON report `out`, creating its folder."""
-    folder = os.path.dirname(out)
+def _make_folder_of(path: str) -> None:
+    folder = os.path.dirname(path)
     if folder:
         os.makedirs(folder, exist_ok=True)
+
+
+def plot_path(out: str) -> str:
+    """Returns the PNG path beside the JSON report `out`, creating its folder."""
+    _make_folder_of(out)
     return os.path.splitext(out)[0] + ".png"
 
 
 def write_report(out: str, report: dict) -> None:
     """Writes `report` as JSON to `out` and says what was written."""
-    folder = os.path.dirname(out)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
+    _make_folder_of(out)
     with open(out, "w") as handle:
         json.dump(report, handle, indent=2)
     plot = report.get("plot")

@@ -457,9 +457,8 @@ def _wait_for_tasks(tasks: list[_Task], err: IO[str]) -> int:
     servers = [task for task in tasks if task.task_type == "ps"]
     # With parameter servers the chief is the coordinator: the job is done
     # when it is, and the workers, which only serve, are stopped then.
-    coordinator = next((t for t in training if t.task_type == "chief"), None)
-    if not servers:
-        coordinator = None
+    chiefs = [task for task in training if task.task_type == "chief"]
+    coordinator = chiefs[0] if servers and chiefs else None
     while training:
         for task in list(training):
             code = task.process.poll()
