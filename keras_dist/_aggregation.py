@@ -24,8 +24,8 @@ import tensorflow as tf
 from keras_dist import _compat
 from keras_dist.compression.base import AllReduceHook
 
-# Instance attribute, set with `object.__setattr__` so that Keras's attribute
-# tracking does not make the statistics part of the optimizer's checkpoints.
+# Instance attribute, set untracked so that Keras's attribute tracking does
+# not make the statistics part of the optimizer's checkpoints.
 _STATISTICS_ATTRIBUTE = "_keras_dist_gradient_statistics"
 
 
@@ -44,12 +44,30 @@ def check_hook(hook, argument="all_reduce_hook") -> AllReduceHook:
     return hook
 
 
+def hook_covers(hook: AllReduceHook, variables) -> bool:
+    """Whether `hook` is built and knows every one of `variables`."""
+    return hook.built and all(hook.knows(v) for v in variables)
+
+
 def build_hook(hook: AllReduceHook, variables, strategy) -> None:
-    """Builds `hook` for `variables` in cross-replica context, once."""
-    if hook.built:
+    """Builds `hook` for `variables` in cross-replica context.
+
+    Does nothing when the hook already knows all of them. A stateless hook
+    built for other variables (the model gained weights, or `trainable`
+    changed) is rebuilt; a hook with state raises, since its state belongs
+    to the variables it was built for.
+    """
+    variables = list(variables)
+    if hook_covers(hook, variables):
         return
-    with strategy.scope():
-        hook.build(list(variables))
+    # Out of any graph being traced: under the default strategy Keras builds
+    # lazily inside the first trace, and the hook's state must be created
+    # once, eagerly, not as a variable of one traced function.
+    with tf.init_scope(), strategy.scope():
+        if hook.built:
+            hook.rebuild(variables)
+        else:
+            hook.build(variables)
 
 
 def reduce_and_apply(optimizer, gradients, variables, hook: AllReduceHook):
@@ -198,7 +216,7 @@ def attach_statistics(optimizer, statistics: GradientStatistics) -> None:
     effect in train functions traced afterwards.
     """
     for nested in _compat.nested_optimizers(optimizer):
-        object.__setattr__(nested, _STATISTICS_ATTRIBUTE, statistics)
+        _compat.set_untracked_attribute(nested, _STATISTICS_ATTRIBUTE, statistics)
 
 
 def gradient_statistics(optimizer):

@@ -12,6 +12,7 @@ Tested with TensorFlow 2.21 and Keras 3.15 (declared minimums: TensorFlow
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 
 import keras
@@ -226,6 +227,65 @@ def track_checkpoint_dependency(owner, name, trackable) -> None:
     owner._track_trackable(trackable, name=name, overwrite=True)
 
 
+def optimizer_own_variables(optimizer) -> list:
+    """The variables an optimizer created itself (not its inner optimizer's).
+
+    `Optimizer.variables` of a wrapper must list its own variables and its
+    inner optimizer's; Keras keeps the former in the private `_variables`
+    (as `LossScaleOptimizer` does when it adds its inner optimizer's).
+    """
+    return list(optimizer._variables)
+
+
+def optimizer_trainable_variables(optimizer) -> list:
+    """The variables `optimizer` was built for (`Optimizer.build`'s list)."""
+    return list(optimizer._trainable_variables)
+
+
 def optimizer_strategy(optimizer):
     """The strategy a Keras TF optimizer captured when it was created."""
     return optimizer._distribution_strategy
+
+
+# --- Attributes kept out of Keras's and TensorFlow's tracking ---------------
+
+
+def set_untracked_attribute(owner, name, value) -> None:
+    """Sets `owner.name = value` past Keras's and `tf.Module`'s tracking.
+
+    Keras layers and optimizers (and `tf.Module`s) wrap and track whatever
+    is assigned to them (a hook would become a sub-layer, with its state in
+    `model.weights`; a list would become a tracked list saved in
+    checkpoints). keras_dist keeps a few attributes out of that on purpose;
+    `object.__setattr__` skips the trackers' `__setattr__`.
+    """
+    object.__setattr__(owner, name, value)
+
+
+def find_attribute_of_type(obj, cls):
+    """Returns the first attribute value of `obj` that is a `cls`, or `None`.
+
+    Keras has no public accessor for an optimizer's learning-rate schedule
+    object (its `learning_rate` returns the current value), so keras_dist
+    looks for its `ScaledLearningRate` among the optimizer's attributes.
+    """
+    for value in vars(obj).values():
+        if isinstance(value, cls):
+            return value
+    return None
+
+
+# --- `Model.fit`'s signature ------------------------------------------------
+
+
+def bind_fit_arguments(model, args, kwargs) -> dict:
+    """Returns `fit`'s arguments by name, as `keras.Model.fit` binds them.
+
+    `DistributedModel.fit` takes `*args, **kwargs` and forwards them; to
+    rebatch the data it needs them by name, with Keras's positional order
+    (x, y, batch_size, epochs, ...), which this binds to.
+    """
+    arguments = inspect.signature(keras.Model.fit).bind(model, *args, **kwargs)
+    values = dict(arguments.arguments)
+    values.pop("self", None)
+    return values

@@ -19,7 +19,6 @@ during training (McCandlish et al., 2018).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
 import numbers
@@ -30,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist import _aggregation, _compat
+from keras_dist._fit_data import BatchesFitData
 from keras_dist.optimizers import find_accumulator
 
 logger = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class _Run:
     last_learning_rate: float | None = None
 
 
-class AutoScaleBatch(keras.callbacks.Callback):
+class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
     """Scales the batch with the replicas, the learning rate with the batch,
     and (optionally) grows the batch toward the gradient noise scale.
 
@@ -434,7 +434,7 @@ class AutoScaleBatch(keras.callbacks.Callback):
         self.measurements: list[NoiseScaleMeasurement] = []
         self._run: _Run | None = None
         self._told_how_to_batch = False
-        # Set by `prepare_fit_arguments` just before `fit`, read when it starts.
+        # Set by `data_batched_by_model` just before `fit`, read when it starts.
         self._fit_data = None
         self._replicas = None
         self._steps = None
@@ -452,6 +452,15 @@ class AutoScaleBatch(keras.callbacks.Callback):
     def noise_scale(self):
         """Latest smoothed `B_simple` estimate (`nan` before the first one)."""
         return getattr(self, "_noise_scale", math.nan)
+
+    def data_batched_by_model(self, description: str) -> None:
+        """Called by `DistributedModel.fit` after it batched the data.
+
+        Args:
+            description: String. What was batched (`"arrays"`,
+                `"unbatched dataset"`); logged when training starts.
+        """
+        self._fit_data = description
 
     # --- Training hooks -------------------------------------------------------
 
@@ -752,215 +761,6 @@ class AutoScaleBatch(keras.callbacks.Callback):
         )
 
 
-# --- Batching for DistributedModel.fit ------------------------------------------------
-
-
-def prepare_fit_arguments(model, args, kwargs):
-    """Batches `fit`'s data at an `AutoScaleBatch` callback's size.
-
-    Called by `keras_dist.DistributedModel.fit` with its arguments. Without
-    an `AutoScaleBatch` among the callbacks, returns them unchanged.
-    Otherwise numpy arrays (and tensors) become a `tf.data.Dataset` batched
-    at `per_replica_batch_size x num_replicas_in_sync`, shuffled when `fit`'s
-    `shuffle` asks (every epoch), prefetched, with the auto-shard policy
-    `DATA` (in-memory data has no files to shard by); `validation_split` is
-    applied first, as Keras does. An unbatched `tf.data.Dataset` is batched
-    and prefetched (shuffle it yourself beforehand; its own sharding options
-    are kept). Batched datasets, generators and `PyDataset`s are left alone.
-
-    Args:
-        model: The `keras.Model` whose `fit` is called.
-        args: Tuple of the positional arguments of `fit` (after `self`).
-        kwargs: Dict of the keyword arguments of `fit`.
-
-    Returns:
-        A tuple `(args, kwargs)` for `keras.Model.fit`.
-
-    Raises:
-        ValueError: `batch_size` or the dataset's static batch size differs
-            from the callback's.
-    """
-    arguments = inspect.signature(keras.Model.fit).bind(model, *args, **kwargs)
-    values = dict(arguments.arguments)
-    values.pop("self", None)
-    autoscale = _find_autoscale(values.get("callbacks"))
-    if autoscale is None:
-        return args, kwargs
-    batch = (
-        autoscale.per_replica_batch_size
-        * model.distribute_strategy.num_replicas_in_sync
-    )
-    x = values.get("x")
-    if isinstance(x, tf.data.Dataset):
-        if _is_unbatched(x, model):
-            values["x"] = x.batch(batch).prefetch(tf.data.AUTOTUNE)
-            autoscale._fit_data = "unbatched dataset"
-        else:
-            static = _static_batch_size(x)
-            if static is not None and static != batch:
-                raise ValueError(
-                    f"The dataset given to `fit` is batched at {static}, but "
-                    "AutoScaleBatch needs per_replica_batch_size x "
-                    f"num_replicas_in_sync = {batch}. Received: a dataset with "
-                    f"batch size {static}. Pass the dataset unbatched (the "
-                    f"model batches it) or batch it at {batch}."
-                )
-        return (), values
-    if not _is_array_data(x, values.get("y"), values.get("sample_weight")):
-        return args, kwargs
-    requested = values.get("batch_size")
-    if requested is not None and requested != batch:
-        raise ValueError(
-            "`batch_size` must be None (or equal to per_replica_batch_size x "
-            f"num_replicas_in_sync = {batch}) when AutoScaleBatch batches "
-            f"DistributedModel's data. Received: batch_size={requested!r}. "
-            "Drop `batch_size`; set the size with the callback's "
-            "`per_replica_batch_size`."
-        )
-    y, sample_weight = values.get("y"), values.get("sample_weight")
-    split = values.get("validation_split") or 0.0
-    if split and values.get("validation_data") is None:
-        (x, y, sample_weight), validation = _split_last(x, y, sample_weight, split)
-        values["validation_data"] = validation
-    values["validation_split"] = 0.0
-    if values.get("validation_batch_size") is None:
-        values["validation_batch_size"] = batch
-    elements = tuple(part for part in (x, y, sample_weight) if part is not None)
-    values.update(
-        x=_array_dataset(
-            elements if len(elements) > 1 else elements[0],
-            batch,
-            values.get("shuffle", True),
-            seed=_update_count(model),
-        ),
-        y=None,
-        sample_weight=None,
-        batch_size=None,
-        # Shuffled above; Keras would warn that it cannot shuffle a dataset.
-        shuffle=False,
-    )
-    autoscale._fit_data = "arrays"
-    return (), values
-
-
-def _array_dataset(arrays, batch, shuffle, seed):
-    """Batches in-memory `arrays` like Keras's array adapter: shuffled indices,
-    then one gather per batch (no shuffle buffer holding a copy of the data).
-
-    The shuffle seed is the same on every worker (the optimizer's update
-    count), so with `DATA` sharding the workers split one permutation instead
-    of drawing overlapping examples from different ones.
-    """
-    tensors = keras.tree.map_structure(tf.convert_to_tensor, arrays)
-    size = int(_leaves(tensors)[0].shape[0])
-    indices = tf.data.Dataset.range(size)
-    if shuffle and shuffle != "batch":
-        indices = indices.shuffle(size, seed=seed, reshuffle_each_iteration=True)
-    indices = indices.batch(batch)
-    if shuffle == "batch":
-        indices = indices.shuffle(
-            math.ceil(size / batch), seed=seed, reshuffle_each_iteration=True
-        )
-    dataset = indices.map(
-        lambda index: keras.tree.map_structure(
-            lambda tensor: tf.gather(tensor, index), tensors
-        ),
-        num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=True,
-    )
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA
-    )
-    return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
-
-
-def _find_autoscale(callbacks):
-    if callbacks is None:
-        return None
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = callbacks.callbacks
-    found = [c for c in keras.tree.flatten(callbacks) if isinstance(c, AutoScaleBatch)]
-    if len(found) > 1:
-        raise ValueError(
-            "`callbacks` must hold at most one AutoScaleBatch. Received: "
-            f"{len(found)}. Keep one."
-        )
-    return found[0] if found else None
-
-
-def _leaves(structure):
-    return [leaf for leaf in keras.tree.flatten(structure) if leaf is not None]
-
-
-def _is_array_data(x, y, sample_weight):
-    if x is None or (y is None and sample_weight is not None):
-        return False
-    leaves = _leaves((x, y, sample_weight))
-    return bool(leaves) and all(
-        isinstance(leaf, np.ndarray) or tf.is_tensor(leaf) for leaf in leaves
-    )
-
-
-def _split_last(x, y, sample_weight, split):
-    size = int(_leaves(x)[0].shape[0])
-    at = math.floor(size * (1.0 - split))
-
-    def head(part):
-        return (
-            None if part is None else keras.tree.map_structure(lambda a: a[:at], part)
-        )
-
-    def tail(part):
-        return (
-            None if part is None else keras.tree.map_structure(lambda a: a[at:], part)
-        )
-
-    validation = tuple(tail(part) for part in (x, y, sample_weight) if part is not None)
-    return (head(x), head(y), head(sample_weight)), validation
-
-
-def _is_unbatched(dataset, model) -> bool:
-    """Whether `dataset` yields single examples rather than batches.
-
-    A dataset cannot say it; infer it from its element shapes. A scalar
-    component (a class label) is an example; otherwise a functional model's
-    input rank decides; otherwise all-unknown first dimensions (what
-    `batch()` produces) mean batches. When nothing tells, assume batches:
-    feeding examples as batches fails loudly in Keras, the converse would
-    train silently on wrong shapes.
-    """
-    specs = _leaves(dataset.element_spec)
-    shapes = [spec.shape for spec in specs if hasattr(spec, "shape")]
-    if not shapes or any(shape.rank is None for shape in shapes):
-        return False
-    if any(shape.rank == 0 for shape in shapes):
-        return True
-    inputs = getattr(model, "inputs", None)
-    first = dataset.element_spec
-    if isinstance(first, tuple):
-        first = first[0]
-    x_shapes = [spec.shape for spec in _leaves(first) if hasattr(spec, "shape")]
-    if inputs:
-        input_ranks = [len(tensor.shape) for tensor in keras.tree.flatten(inputs)]
-        if len(input_ranks) == len(x_shapes):
-            return all(
-                shape.rank == rank - 1 for shape, rank in zip(x_shapes, input_ranks)
-            )
-    return not all(shape[0] is None for shape in shapes)
-
-
-def _static_batch_size(dataset):
-    shapes = [
-        spec.shape for spec in _leaves(dataset.element_spec) if hasattr(spec, "shape")
-    ]
-    sizes = {shape[0] for shape in shapes if shape.rank}
-    if len(sizes) == 1:
-        (size,) = sizes
-        return size
-    return None
-
-
 # --- Helpers --------------------------------------------------------------------------
 
 
@@ -974,11 +774,6 @@ def _check_positive_int(name, value, minimum=1):
         raise ValueError(f"`{name}` must be >= {minimum}. Received: {name}={value!r}.")
 
 
-def _update_count(model):
-    optimizer = getattr(model, "optimizer", None)
-    return 0 if optimizer is None else int(optimizer.iterations.numpy())
-
-
 def _micro_steps(accumulator, updates):
     if accumulator is not None and accumulator.built:
         return int(accumulator.micro_steps.numpy())
@@ -990,9 +785,9 @@ def _find_scaled_schedule(optimizer):
     # `learning_rate` returns the schedule's current value), so look for a
     # `ScaledLearningRate` among the attributes of the optimizers, by type.
     for nested in _compat.nested_optimizers(optimizer):
-        for value in vars(nested).values():
-            if isinstance(value, ScaledLearningRate):
-                return value
+        schedule = _compat.find_attribute_of_type(nested, ScaledLearningRate)
+        if schedule is not None:
+            return schedule
     return None
 
 

@@ -8,10 +8,9 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_dist import _aggregation, _compat
-from keras_dist import callbacks as callbacks_lib
+from keras_dist import _aggregation, _compat, _fit_data
 from keras_dist.compression.base import AllReduceHook, NoCompression
-from keras_dist.optimizers import GradientAccumulationOptimizer
+from keras_dist.optimizers import GradientAccumulationOptimizer, find_accumulator
 
 logger = logging.getLogger(__name__)
 
@@ -19,81 +18,33 @@ _HOOK_STATE_PREFIX = "all_reduce_hook_state_"
 _UNSUPPORTED_STRATEGIES = (tf.distribute.experimental.ParameterServerStrategy,)
 
 
-@keras.saving.register_keras_serializable(package="keras_dist")
-class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
-    """A `keras.Model` whose `fit`, `evaluate` and `predict` are correct when
-    distributed.
+class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
+    """The training logic of `DistributedModel`, over any Keras TF trainer.
 
-    Change one word, `keras.Model` -> `keras_dist.DistributedModel`, and under
-    any `tf.distribute` strategy:
-
-    - `fit` and `evaluate` work under `MultiWorkerMirroredStrategy` (stock
-      Keras 3 fails there, in `_maybe_symbolic_build` and when reducing the
-      logs);
-    - the gradients are summed over replicas once, by an all-reduce hook you
-      can replace (compression), and only then clipped and applied, so
-      `clipnorm` / `global_clipnorm` see the global gradient, as on one device;
-    - losses and metrics in the logs are computed from the metric state of all
-      replicas and workers, not averaged per-replica results.
-
-    Build it in any of Keras's forms, under `strategy.scope()`:
-
-    ```python
-    strategy = tf.distribute.MirroredStrategy()
-    with strategy.scope():
-        # Functional
-        inputs = keras.Input((784,))
-        outputs = keras.layers.Dense(10)(inputs)
-        model = keras_dist.DistributedModel(inputs, outputs)
-
-        # Subclass
-        class Net(keras_dist.DistributedModel):
-            def __init__(self, **kwargs):
-                super().__init__(**kwargs)
-                self.dense = keras.layers.Dense(10)
-
-            def call(self, x):
-                return self.dense(x)
-
-        # Any existing model (Sequential, keras.applications, ...): same
-        # layers and weights, DistributedModel's training logic.
-        model = keras_dist.DistributedModel.from_model(
-            keras.applications.ResNet50(weights=None)
-        )
-        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    model.fit(dataset, epochs=3)
-    ```
-
-    A custom `train_step` can call `self.apply_gradients(gradients,
-    variables)` to use the same aggregation path (hook, then clipping, then
-    one update).
-
-    Args:
-        all_reduce_hook: `keras_dist.compression.AllReduceHook` or `None`. How
-            gradients are summed across replicas. Defaults to `None`, a plain
-            sum all-reduce (`NoCompression()`).
-        *args: Passed to `keras.Model` (`inputs`, `outputs`, ...).
-        **kwargs: Passed to `keras.Model` (`inputs`, `outputs`, `name`, ...).
+    `DistributedModel` is this mixin over `keras.Model`. It is a separate
+    class so the same methods can sit over Keras's `TensorFlowTrainer` in
+    Keras's own trainer tests (`tests/keras_conformance`); use
+    `DistributedModel` in your code.
     """
-
-    def __new__(cls, *args, **kwargs):
-        if cls is DistributedModel and _is_functional_call(args, kwargs):
-            return super().__new__(FunctionalDistributedModel)
-        return super().__new__(cls)
 
     def __init__(self, *args, all_reduce_hook=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._set_hook(all_reduce_hook)
 
     def _set_hook(self, hook):
-        object.__setattr__(self, "_hook_is_default", hook is None)
-        hook = NoCompression() if hook is None else hook
-        # Plain attribute on purpose: the hook is not a layer, so it must not
-        # show up in `model.layers`, summaries or weight lists.
-        object.__setattr__(self, "_keras_dist_hook", _aggregation.check_hook(hook))
+        if hook is not None:
+            _aggregation.check_hook(hook)
+        # Plain attributes on purpose: the hook is not a layer, so it must
+        # not show up in `model.layers`, summaries or weight lists.
+        _compat.set_untracked_attribute(self, "_keras_dist_user_hook", hook)
+        _compat.set_untracked_attribute(
+            self, "_keras_dist_hook", NoCompression() if hook is None else hook
+        )
         # The hook's per-replica state (error feedback, warm-start factors)
         # is saved with `tf.train.Checkpoint(model=...)`.
-        _compat.track_checkpoint_dependency(self, "all_reduce_hook", hook)
+        _compat.track_checkpoint_dependency(
+            self, "all_reduce_hook", self._keras_dist_hook
+        )
 
     @property
     def all_reduce_hook(self) -> AllReduceHook:
@@ -109,51 +60,8 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         Args:
             hook: `keras_dist.compression.AllReduceHook` instance.
         """
-        self._set_hook(hook)
+        self._set_hook(_aggregation.check_hook(hook, argument="hook"))
         self.train_function = None
-
-    @classmethod
-    def from_model(cls, model: keras.Model, all_reduce_hook=None, name=None):
-        """Returns a DistributedModel around an existing model.
-
-        The result shares `model`'s layers and variables (no copy): training it
-        trains `model`. Create `model` under the same `strategy.scope()` as the
-        result, so its variables are distributed.
-
-        Args:
-            model: `keras.Model`. Any built or unbuilt model: Sequential,
-                functional, subclassed, or from `keras.applications`.
-            all_reduce_hook: See the class arguments. Defaults to `None`.
-            name: String or `None`. Name of the wrapper. Defaults to
-                `"distributed_" + model.name`.
-
-        Returns:
-            A `DistributedModel` whose `call` is `model.call`.
-        """
-        if not isinstance(model, keras.Model):
-            raise TypeError(
-                "`model` must be a `keras.Model`. Received: "
-                f"model={type(model).__name__}."
-            )
-        if isinstance(model, DistributedModel):
-            raise ValueError(
-                f"`model` {model.name!r} is already a DistributedModel; use it "
-                "as it is (call `register_all_reduce_hook` to change its hook)."
-            )
-        strategy = tf.distribute.get_strategy()
-        for variable in model.variables:
-            if not strategy.extended.variable_created_in_scope(variable.value):
-                raise ValueError(
-                    f"The variables of `model` {model.name!r} were created "
-                    "outside the current strategy's scope, so they are not "
-                    "distributed. Create the model inside "
-                    "`with strategy.scope():` and call `from_model` there."
-                )
-        return WrappedModel(
-            model,
-            all_reduce_hook=all_reduce_hook,
-            name=name or f"distributed_{model.name}",
-        )
 
     # --- Training step ------------------------------------------------------
 
@@ -200,31 +108,49 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         replica's gradients of a loss scaled by `1 / num_replicas_in_sync`
         (what Keras losses do under a strategy).
 
+        The arguments are two parallel lists, as `tape.gradient` returns
+        them, not Keras's `Optimizer.apply_gradients(grads_and_vars)` list
+        of pairs: the model's method takes what the tape gives.
+
         Args:
             gradients: List of gradients (`None` entries are skipped).
+                `tf.IndexedSlices` (embedding gradients) stay sparse with
+                the default hook.
             variables: List of the matching trainable variables.
+
+        Raises:
+            RuntimeError: no optimizer (call `compile` first), or the hook
+                or the accumulation optimizer is not built and cannot be
+                built here (a custom loop under a strategy: call
+                `build_all_reduce_hook()` first).
         """
         if getattr(self, "optimizer", None) is None:
             raise RuntimeError(
                 "`apply_gradients` needs an optimizer: call `model.compile("
                 "optimizer=...)` first."
             )
-        self._build_hook()
-        if isinstance(self.optimizer, GradientAccumulationOptimizer):
+        variables = list(variables)
+        hook = self._training_hook()
+        self._ensure_built(hook, variables)
+        accumulator = find_accumulator(self.optimizer)
+        if accumulator is not None:
             # Accumulate locally; reduce with the hook only on update steps.
-            self.optimizer.apply_with_hook(gradients, variables, self._effective_hook())
+            accumulator.accumulate_and_apply(gradients, variables, hook)
         else:
-            _aggregation.reduce_and_apply(
-                self.optimizer, gradients, variables, self.all_reduce_hook
-            )
+            _aggregation.reduce_and_apply(self.optimizer, gradients, variables, hook)
 
-    def _effective_hook(self):
-        # The model's hook applies; a hook given to the accumulation optimizer
-        # is used when the model kept the default one.
-        optimizer_hook = self.optimizer.all_reduce_hook
+    def _training_hook(self) -> AllReduceHook:
+        """The one hook that sums this model's gradients.
+
+        The model's hook, unless the model kept the default and its
+        `GradientAccumulationOptimizer` was given one (the optimizer's hook
+        is how a plain `keras.Model` gets compression).
+        """
+        accumulator = find_accumulator(self.optimizer)
+        optimizer_hook = None if accumulator is None else accumulator.all_reduce_hook
         if optimizer_hook is None or optimizer_hook is self.all_reduce_hook:
             return self.all_reduce_hook
-        if self._hook_is_default:
+        if self._keras_dist_user_hook is None:
             return optimizer_hook
         raise ValueError(
             "Both the model and its GradientAccumulationOptimizer have an "
@@ -232,6 +158,34 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
             "Set the hook in one place: on the model (recommended) or on the "
             "optimizer."
         )
+
+    def _ensure_built(self, hook, variables):
+        """Builds `hook` and an accumulation optimizer for `variables`.
+
+        Under a real strategy this must happen in cross-replica context,
+        which `fit` provides before tracing (`make_train_function`). Without
+        one (default strategy) Keras creates the weights in the first trace
+        of the step, so the hook is built there, lifted out of the graph.
+        """
+        accumulator = find_accumulator(self.optimizer)
+        unbuilt_accumulator = accumulator is not None and not accumulator.built
+        if _aggregation.hook_covers(hook, variables) and not unbuilt_accumulator:
+            return
+        in_replica_step = not tf.distribute.in_cross_replica_context()
+        if tf.distribute.has_strategy() and in_replica_step:
+            missing = (
+                "The GradientAccumulationOptimizer"
+                if _aggregation.hook_covers(hook, variables)
+                else "The all-reduce hook"
+            )
+            raise RuntimeError(
+                f"{missing} must be built before the first replica step. Call "
+                "`model.build_all_reduce_hook()` after `model.compile(...)` and "
+                "before `strategy.run` (fit does it)."
+            )
+        # Under the default strategy an unbuilt accumulation optimizer
+        # builds itself in `accumulate_and_apply`, as Keras optimizers do.
+        _aggregation.build_hook(hook, variables, self.distribute_strategy)
 
     def compile(self, optimizer="rmsprop", *args, auto_scale_loss=True, **kwargs):
         """Configures the model for training; see `keras.Model.compile`.
@@ -283,31 +237,6 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
             auto_scale_loss = False
         super().compile(optimizer, *args, auto_scale_loss=auto_scale_loss, **kwargs)
 
-    def _build_hook(self):
-        # A GradientAccumulationOptimizer creates replica-local variables and
-        # builds its hook in cross-replica context: it cannot build lazily
-        # inside the `strategy.run` of a real strategy as a plain Keras
-        # optimizer does (under the default strategy it can).
-        unbuilt_accumulator = (
-            isinstance(self.optimizer, GradientAccumulationOptimizer)
-            and not getattr(self.optimizer, "built", False)
-            and tf.distribute.has_strategy()
-        )
-        if self.all_reduce_hook.built and not unbuilt_accumulator:
-            return
-        if not tf.distribute.in_cross_replica_context():
-            missing = (
-                "The all-reduce hook"
-                if not self.all_reduce_hook.built
-                else "The GradientAccumulationOptimizer"
-            )
-            raise RuntimeError(
-                f"{missing} must be built before the first replica step. Call "
-                "`model.build_all_reduce_hook()` after `model.compile(...)` and "
-                "before `strategy.run` (fit does it)."
-            )
-        self.build_all_reduce_hook()
-
     def build_all_reduce_hook(self) -> None:
         """Builds the hook's state and the optimizer for the trainable variables.
 
@@ -318,21 +247,18 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         context. It enters the model's strategy scope itself and does nothing
         for what is already built.
         """
-        self._build_hook_state()
+        variables = self.trainable_variables
         optimizer = getattr(self, "optimizer", None)
+        hook = self.all_reduce_hook if optimizer is None else self._training_hook()
+        _aggregation.build_hook(hook, variables, self.distribute_strategy)
         if optimizer is not None and not optimizer.built:
             with self.distribute_strategy.scope():
-                optimizer.build(self.trainable_variables)
-
-    def _build_hook_state(self) -> None:
-        _aggregation.build_hook(
-            self.all_reduce_hook, self.trainable_variables, self.distribute_strategy
-        )
+                optimizer.build(variables)
 
     def compile_from_config(self, config):
         # Keras skips compiling on load when `compile` is overridden (ours
         # is); DistributedModel.compile takes the same arguments, so compile.
-        if type(self).compile is not DistributedModel.compile:
+        if type(self).compile is not DistributedTrainerMixin.compile:
             return super().compile_from_config(config)
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
@@ -346,7 +272,7 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         self._check_strategy()
         # With an AutoScaleBatch callback, numpy arrays and unbatched datasets
         # are batched at its per_replica_batch_size x num_replicas_in_sync.
-        args, kwargs = callbacks_lib.prepare_fit_arguments(self, args, kwargs)
+        args, kwargs = _fit_data.prepare_fit_arguments(self, args, kwargs)
         return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
@@ -357,7 +283,13 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         self._check_strategy()
-        self._build_hook_state()
+        if tf.distribute.has_strategy() or _compat.model_strategy(self) is not None:
+            # Under a strategy, `fit` built the layers from the first batch
+            # (`_maybe_symbolic_build`), and the hook and an accumulation
+            # optimizer must be built here, in cross-replica context. Without
+            # one the weights may appear only in the first trace of the step;
+            # `apply_gradients` builds the hook there.
+            self.build_all_reduce_hook()
         self.train_function = self._make_distributed_function(self.train_step)
         return self.train_function
 
@@ -382,6 +314,15 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
             )
 
     def _make_distributed_function(self, step_function):
+        """Keras's train/test function layout, with global logs.
+
+        The same structure as stock Keras's TensorFlow trainer, so the same
+        things work: `jit_compile` compiles the step only (never the
+        iterator op), `steps_per_execution > 1` loops in one graph over one
+        traced step, and optional inputs fed as `None` arrive as `None`.
+        Only the reduction of the step outputs differs
+        (`_reduce_step_outputs`).
+        """
         strategy = self.distribute_strategy
 
         @tf.autograph.experimental.do_not_convert
@@ -389,31 +330,45 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
             outputs = strategy.run(step_function, args=(data,))
             return self._reduce_step_outputs(outputs)
 
-        @tf.autograph.experimental.do_not_convert
-        def one_step_on_iterator(iterator):
-            return one_step_on_data(next(iterator))
-
-        def multi_step_on_iterator(iterator):
-            outputs = one_step_on_data(next(iterator))
-            for _ in tf.range(self.steps_per_execution - 1):
-                optional = iterator.get_next_as_optional()
-                if not optional.has_value():
-                    break
-                outputs = one_step_on_data(optional.get_value())
-            return outputs
-
-        if self.steps_per_execution == 1:
-            step_on_iterator = one_step_on_iterator
-        else:
-            step_on_iterator = multi_step_on_iterator
-        step_on_data = one_step_on_data
         if not self.run_eagerly:
-            step_on_iterator = tf.function(
-                step_on_iterator, reduce_retracing=True, jit_compile=self.jit_compile
-            )
-            step_on_data = tf.function(
+            one_step_on_data = tf.function(
                 one_step_on_data, reduce_retracing=True, jit_compile=self.jit_compile
             )
+        step_on_data = _optionals_as_none(one_step_on_data)
+
+        @tf.autograph.experimental.do_not_convert
+        def step_on_iterator(iterator):
+            outputs = step_on_data(iterator.get_next())
+            if self.steps_per_execution == 1:
+                return outputs
+
+            def more(step, outputs, next_data):
+                del outputs
+                return tf.logical_and(
+                    step < self.steps_per_execution, next_data.has_value()
+                )
+
+            def run_one(step, outputs, next_data):
+                del outputs
+                outputs = step_on_data(next_data.get_value())
+                # Never read a batch past `steps_per_execution`: the next
+                # call of the function starts with it.
+                next_data = tf.cond(
+                    step + 1 < self.steps_per_execution,
+                    iterator.get_next_as_optional,
+                    lambda: next_data,
+                )
+                return step + 1, outputs, next_data
+
+            _, outputs, _ = tf.while_loop(
+                more,
+                run_one,
+                [tf.constant(1), outputs, iterator.get_next_as_optional()],
+            )
+            return outputs
+
+        if not self.run_eagerly:
+            step_on_iterator = tf.function(step_on_iterator, reduce_retracing=True)
 
         def function(iterator):
             if isinstance(
@@ -479,7 +434,9 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
         super().load_own_variables(
             {k: store[k] for k in names if not k.startswith(_HOOK_STATE_PREFIX)}
         )
-        self._build_hook_state()
+        _aggregation.build_hook(
+            self.all_reduce_hook, self.trainable_variables, self.distribute_strategy
+        )
         state = self.all_reduce_hook.state_variables
         if len(state) != len(keys):
             raise ValueError(
@@ -490,6 +447,118 @@ class DistributedModel(_compat.MultiWorkerBuildFix, keras.Model):
             )
         for index, variable in enumerate(state):
             variable.assign(store[f"{_HOOK_STATE_PREFIX}{index}"])
+
+
+@keras.saving.register_keras_serializable(package="keras_dist")
+class DistributedModel(DistributedTrainerMixin, keras.Model):
+    """A `keras.Model` whose `fit`, `evaluate` and `predict` are correct when
+    distributed.
+
+    Change one word, `keras.Model` -> `keras_dist.DistributedModel`, and under
+    any `tf.distribute` strategy:
+
+    - `fit` and `evaluate` work under `MultiWorkerMirroredStrategy` (stock
+      Keras 3 fails there, in `_maybe_symbolic_build` and when reducing the
+      logs);
+    - the gradients are summed over replicas once, by an all-reduce hook you
+      can replace (compression), and only then clipped and applied, so
+      `clipnorm` / `global_clipnorm` see the global gradient, as on one device;
+    - losses and metrics in the logs are computed from the metric state of all
+      replicas and workers, not averaged per-replica results.
+
+    Build it in any of Keras's forms, under `strategy.scope()`:
+
+    ```python
+    strategy = tf.distribute.MirroredStrategy()
+    with strategy.scope():
+        # Functional
+        inputs = keras.Input((784,))
+        outputs = keras.layers.Dense(10)(inputs)
+        model = keras_dist.DistributedModel(inputs, outputs)
+
+        # Subclass
+        class Net(keras_dist.DistributedModel):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.dense = keras.layers.Dense(10)
+
+            def call(self, x):
+                return self.dense(x)
+
+        # Any existing model (Sequential, keras.applications, ...): same
+        # layers and weights, DistributedModel's training logic.
+        model = keras_dist.DistributedModel.from_model(
+            keras.applications.ResNet50(weights=None)
+        )
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(dataset, epochs=3)
+    ```
+
+    A custom `train_step` can call `self.apply_gradients(gradients,
+    variables)` to use the same aggregation path (hook, then clipping, then
+    one update).
+
+    Args:
+        all_reduce_hook: `keras_dist.compression.AllReduceHook` or `None`. How
+            gradients are summed across replicas. Defaults to `None`, a plain
+            sum all-reduce (`NoCompression()`).
+        *args: Passed to `keras.Model` (`inputs`, `outputs`, ...).
+        **kwargs: Passed to `keras.Model` (`inputs`, `outputs`, `name`, ...).
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if _is_functional_call(args, kwargs) and not issubclass(
+            cls, _compat.Functional
+        ):
+            # Keras would rewrite the bases of every class up the hierarchy,
+            # DistributedModel's included, for the whole process: put the
+            # functional class in the user's class instead, as Keras does
+            # for a direct subclass of keras.Model.
+            cls = _functional_class(cls)
+        return super().__new__(cls)
+
+    @classmethod
+    def from_model(cls, model: keras.Model, all_reduce_hook=None, name=None):
+        """Returns a DistributedModel around an existing model.
+
+        The result shares `model`'s layers and variables (no copy): training it
+        trains `model`. Create `model` under the same `strategy.scope()` as the
+        result, so its variables are distributed.
+
+        Args:
+            model: `keras.Model`. Any built or unbuilt model: Sequential,
+                functional, subclassed, or from `keras.applications`.
+            all_reduce_hook: See the class arguments. Defaults to `None`.
+            name: String or `None`. Name of the wrapper. Defaults to
+                `"distributed_" + model.name`.
+
+        Returns:
+            A `DistributedModel` whose `call` is `model.call`.
+        """
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                "`model` must be a `keras.Model`. Received: "
+                f"model={type(model).__name__}."
+            )
+        if isinstance(model, DistributedModel):
+            raise ValueError(
+                f"`model` {model.name!r} is already a DistributedModel; use it "
+                "as it is (call `register_all_reduce_hook` to change its hook)."
+            )
+        strategy = tf.distribute.get_strategy()
+        for variable in model.variables:
+            if not strategy.extended.variable_created_in_scope(variable.value):
+                raise ValueError(
+                    f"The variables of `model` {model.name!r} were created "
+                    "outside the current strategy's scope, so they are not "
+                    "distributed. Create the model inside "
+                    "`with strategy.scope():` and call `from_model` there."
+                )
+        return WrappedModel(
+            model,
+            all_reduce_hook=all_reduce_hook,
+            name=name or f"distributed_{model.name}",
+        )
 
     def get_config(self):
         config = super().get_config()
@@ -564,6 +633,34 @@ class WrappedModel(DistributedModel):
             config.get("all_reduce_hook"), custom_objects=custom_objects
         )
         return cls(**config)
+
+
+def _functional_class(cls):
+    """`FunctionalDistributedModel` for `DistributedModel`; else `cls`, with
+    `DistributedModel` replaced by it among its bases (and theirs)."""
+    if cls is DistributedModel:
+        return FunctionalDistributedModel
+    if cls is object or not issubclass(cls, DistributedModel):
+        return cls
+    if not issubclass(cls, FunctionalDistributedModel):
+        cls.__bases__ = tuple(_functional_class(base) for base in cls.__bases__)
+    return cls
+
+
+def _optionals_as_none(step_on_data):
+    """Feeds `None` for empty `tf.experimental.Optional`s, as Keras does.
+
+    A generator that yields `None` for an optional input reaches the step
+    as an Optional (tf.data has no `None`).
+    """
+
+    def step(data):
+        data = keras.tree.map_structure(
+            lambda v: None if isinstance(v, tf.experimental.Optional) else v, data
+        )
+        return step_on_data(data)
+
+    return step
 
 
 def _is_functional_call(args, kwargs) -> bool:

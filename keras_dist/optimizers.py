@@ -162,6 +162,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             if all_reduce_hook is None
             else _aggregation.check_hook(all_reduce_hook)
         )
+        _compat.set_untracked_attribute(self, "_default_hook", None)
 
     # --- State ----------------------------------------------------------------
 
@@ -205,14 +206,16 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         self._accumulator_index = {id(v): i for i, v in enumerate(var_list)}
         self.inner_optimizer.build(var_list)
         # Built here, in cross-replica context: a hook's state cannot be
-        # created inside a replica step.
-        self._own_hook = self._hook if self._hook is not None else NoCompression()
-        _aggregation.build_hook(self._own_hook, var_list, tf.distribute.get_strategy())
+        # created inside a replica step. `DistributedModel` passes the hook
+        # it trains with to `accumulate_and_apply` and builds it itself.
+        _aggregation.build_hook(
+            self._plain_hook(), var_list, tf.distribute.get_strategy()
+        )
         super().build(var_list)
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return _compat.optimizer_own_variables(self) + self.inner_optimizer.variables
 
     @property
     def learning_rate(self):
@@ -242,6 +245,18 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
     @property
     def all_reduce_hook(self):
         """The hook given to the constructor, or `None`."""
+        return self._hook
+
+    def _plain_hook(self):
+        """The hook `apply` uses: the constructor's, or a plain sum.
+
+        `apply` is what a plain `keras.Model` calls; `DistributedModel`
+        calls `accumulate_and_apply` with its own hook instead.
+        """
+        if self._hook is None:
+            if self._default_hook is None:
+                _compat.set_untracked_attribute(self, "_default_hook", NoCompression())
+            return self._default_hook
         return self._hook
 
     @property
@@ -286,19 +301,28 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         Called in replica context by `apply_gradients` (stock Keras
         `train_step`). Uses the constructor's hook, or a plain sum.
         """
-        self.apply_with_hook(grads, trainable_variables, self._hook)
-
-    def apply_with_hook(self, grads, trainable_variables, hook):
-        """`apply` with an explicit all-reduce hook (used by DistributedModel)."""
         if trainable_variables is None:
-            trainable_variables = self._trainable_variables
+            trainable_variables = _compat.optimizer_trainable_variables(self)
+        self.accumulate_and_apply(grads, trainable_variables, self._plain_hook())
+
+    def accumulate_and_apply(self, grads, trainable_variables, hook):
+        """Accumulates `grads`; on every k-th call reduces them with `hook`
+        and applies their mean with the inner optimizer.
+
+        Runs in replica context. `DistributedModel` calls it with the hook it
+        trains with; `apply` calls it with the constructor's hook.
+
+        Args:
+            grads: List of this replica's gradients (`None` entries skipped).
+            trainable_variables: List of the matching variables.
+            hook: The built `AllReduceHook` that sums the accumulated
+                gradients over replicas on update steps.
+        """
         trainable_variables = list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        if hook is None:
-            hook = self._own_hook
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
         variables = [v for _, v in pairs]
         accumulators = [self._accumulators[self._index(v)] for v in variables]

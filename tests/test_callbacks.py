@@ -14,11 +14,11 @@ from helpers import compile_model, make_data, max_abs_diff, mlp
 
 import keras_dist
 from keras_dist import _aggregation
+from keras_dist._fit_data import prepare_fit_arguments
 from keras_dist.callbacks import (
     AutoScaleBatch,
     ScaledLearningRate,
     estimate_noise,
-    prepare_fit_arguments,
 )
 
 

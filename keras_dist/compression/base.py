@@ -284,6 +284,43 @@ class AllReduceHook(tf.Module):
         self._state[name] = variable
         return variable
 
+    def knows(self, variable) -> bool:
+        """Whether `variable` is among the variables the hook was built for."""
+        return self._lookup(variable) is not None
+
+    def rebuild(self, variables) -> None:
+        """Builds a stateless hook again, for another set of variables.
+
+        keras_dist calls it when a model's trainable variables change
+        (weights created later, `trainable` switched) and the hook keeps no
+        state. A hook with state (`add_state`) cannot move to other
+        variables: its state belongs to the old ones.
+
+        Args:
+            variables: List of the trainable variables, in gradient order.
+
+        Raises:
+            RuntimeError: the hook has state.
+        """
+        if self._state:
+            raise RuntimeError(
+                f"{self!r} keeps state for the {len(self.variable_specs)} "
+                "variables it was built for and cannot be rebuilt for "
+                f"{len(list(variables))} others. Build the model fully before "
+                "training (call it on a batch, or `fit` under a strategy "
+                "scope), and give each model its own hook instance."
+            )
+        self._built = False
+        self._book.index_by_id.clear()
+        self._book.index_by_name.clear()
+        self.build(variables)
+
+    def _lookup(self, variable):
+        index = self._book.index_by_id.get(id(variable))
+        if index is None:
+            index = self._book.index_by_name.get(_variable_name(variable))
+        return index
+
     def variable_index(self, variable) -> int:
         """Returns the position of `variable` in the list given to `build`.
 
@@ -296,9 +333,7 @@ class AllReduceHook(tf.Module):
         Raises:
             ValueError: `variable` was not among the built variables.
         """
-        index = self._book.index_by_id.get(id(variable))
-        if index is None:
-            index = self._book.index_by_name.get(_variable_name(variable))
+        index = self._lookup(variable)
         if index is None:
             raise ValueError(
                 f"`variables` must be among the {len(self.variable_specs)} "
