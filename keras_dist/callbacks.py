@@ -28,7 +28,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import _aggregation, _compat
+from keras_dist import _compat, _gradient_statistics
 from keras_dist._fit_data import BatchesFitData
 from keras_dist.optimizers import find_accumulator
 
@@ -542,11 +542,11 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         self._since_decision = 0
         self.measurements = []
         if self.adaptive:
-            self._statistics = _aggregation.gradient_statistics(optimizer)
+            self._statistics = _gradient_statistics.gradient_statistics(optimizer)
             if self._statistics is None:
                 with strategy.scope():
-                    self._statistics = _aggregation.GradientStatistics()
-                _aggregation.attach_statistics(optimizer, self._statistics)
+                    self._statistics = _gradient_statistics.GradientStatistics()
+                _gradient_statistics.attach_statistics(optimizer, self._statistics)
                 # `fit` made its train function before this hook; make it again
                 # so that its first trace includes the statistics.
                 model.make_train_function(force=True)

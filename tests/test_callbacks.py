@@ -13,7 +13,7 @@ from conftest import mirrored
 from helpers import compile_model, make_data, max_abs_diff, mlp
 
 import keras_dist
-from keras_dist import _aggregation
+from keras_dist import _gradient_statistics
 from keras_dist._fit_data import prepare_fit_arguments
 from keras_dist.callbacks import (
     AutoScaleBatch,
@@ -106,7 +106,7 @@ def test_sqrt_scaling_with_accumulation_and_warmup_epochs():
     assert history.history["batch_size"] == [16, 16]
     assert int(model.optimizer.iterations.numpy()) == 8
     # Gradient statistics are only measured in adaptive mode.
-    assert _aggregation.gradient_statistics(model.optimizer) is None
+    assert _gradient_statistics.gradient_statistics(model.optimizer) is None
 
 
 def test_no_scaling_keeps_the_rate_and_default_base_is_the_start_batch():
