@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
-
-import numpy as np
+import sys
 
 __all__ = ["check_bool", "check_choice", "check_int", "check_real"]
 
@@ -135,7 +134,12 @@ def check_bool(name: str, value, *, hint: str = "") -> bool:
     Raises:
         TypeError: anything else (`0`, `"yes"`, `None`).
     """
-    if isinstance(value, (bool, np.bool_)):
+    # NumPy is looked up, not imported: the launcher imports this module and
+    # must stay light, and a `numpy.bool_` cannot exist without NumPy loaded.
+    numpy = sys.modules.get("numpy")
+    if isinstance(value, bool) or (
+        numpy is not None and isinstance(value, numpy.bool_)
+    ):
         return bool(value)
     _fail(TypeError, name, value, "a bool", hint)
 

@@ -22,18 +22,15 @@ This module imports TensorFlow only inside the commands that need it (`env`,
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import platform
-import signal
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+from keras_dist import _process
 from keras_dist import cluster as cluster_lib
+from keras_dist._validation import check_int, check_real
 
 PROG = "keras-dist"
 TASK_ENV_VAR = "KERAS_DIST_TASK"
@@ -41,13 +38,7 @@ DEFAULT_GRACE_PERIOD = 5.0
 # Internal subcommand that runs a parameter-server task; hidden from `--help`.
 PS_SERVER_COMMAND = "_ps-server"
 
-# Seconds to wait for a finished task's last output lines before moving on.
-_READER_JOIN_TIMEOUT = 2.0
-_POLL_INTERVAL = 0.05
-_EXIT_INTERRUPTED = 130
-_EXIT_CANNOT_START = 127
 _PS_SERVER_ARGS = ("-m", "keras_dist", PS_SERVER_COMMAND)
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageExit as usage_exit:
         return usage_exit.status
     except KeyboardInterrupt:
-        return _EXIT_INTERRUPTED
+        return _process.EXIT_INTERRUPTED
 
 
 def launch(
@@ -136,7 +127,9 @@ def launch(
     Each task is one process started with its own `TF_CONFIG` (and
     `KERAS_DIST_TASK`, e.g. `"worker:1"`) and `PYTHONUNBUFFERED=1`. Its stdout
     and stderr are merged and every line is written to `stdout` as it comes,
-    prefixed with the task name: `[worker:1] ...`. Parameter-server tasks do
+    prefixed with the task name: `[worker:1] ...`; when the reader of
+    `stdout` goes away (`keras-dist launch ... | head`), the output is dropped
+    and the tasks run on. Parameter-server tasks do
     not run `command`: each runs a TensorFlow gRPC server until the training
     tasks are done, and is then stopped. With parameter servers and a chief,
     the chief is the `ParameterServerStrategy` coordinator: when it exits
@@ -170,11 +163,14 @@ def launch(
         `0` when every chief and worker task exited with status 0 (with
         parameter servers and a chief: when the chief did); otherwise
         the exit status of the first task that failed (`128 + N` for a task
-        killed by signal N), `127` when `command` could not be started, `130`
-        after Ctrl-C and `143` after SIGTERM.
+        killed by signal N), `127` when `command` could not be started, `1`
+        when the system has too few file descriptors or processes for every
+        task, `130` after Ctrl-C and `143` after SIGTERM.
 
     Raises:
-        ValueError: `command` is empty or a count is out of range.
+        TypeError: a count is not an int, or `grace_period` not a number.
+        ValueError: `command` is empty, a count is out of range, or
+            `grace_period` is negative or not finite.
 
     Example:
 
@@ -187,83 +183,45 @@ def launch(
     command = list(command)
     if not command:
         raise ValueError("`command` must name a program to run. Received: command=[].")
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ValueError(
-            f"`workers` must be an integer >= 1. Received: workers={workers!r}."
-        )
-    if grace_period < 0:
-        raise ValueError(
-            "`grace_period` must be >= 0 seconds. "
-            f"Received: grace_period={grace_period!r}."
-        )
+    workers = check_int("workers", workers, minimum=1)
+    grace_period = check_real(
+        "grace_period", grace_period, minimum=0, hint="It is in seconds."
+    )
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
-    spec = cluster_lib.local_cluster(workers=workers, ps=ps, chief=chief, host=host)
-    base_env = dict(os.environ if environ is None else environ)
-    write_lock = threading.Lock()
-    tasks: list[_Task] = []
-    previous_sigterm = _install_sigterm_handler()
     try:
-        # Parameter servers first: the training tasks connect to them.
-        for task_type in ("ps", "chief", "worker"):
-            for index in range(len(spec.get(task_type, []))):
-                env = dict(base_env)
-                if task_type == "ps":
-                    task_command = [sys.executable, *_PS_SERVER_ARGS]
-                    # This very keras_dist must be importable in the server,
-                    # installed or not.
-                    env["PYTHONPATH"] = os.pathsep.join(
-                        filter(None, [_PACKAGE_PARENT, env.get("PYTHONPATH")])
-                    )
-                else:
-                    task_command = command
-                env["TF_CONFIG"] = cluster_lib.make_tf_config(spec, task_type, index)
-                env[TASK_ENV_VAR] = f"{task_type}:{index}"
-                env["PYTHONUNBUFFERED"] = "1"
-                try:
-                    task = _start_task(task_type, index, task_command, env)
-                except OSError as error:
-                    _say(err, f"cannot start {' '.join(task_command)!r}: {error}.")
-                    return _EXIT_CANNOT_START
-                task.reader = threading.Thread(
-                    target=_pump_output,
-                    args=(task, out, write_lock),
-                    name=f"keras-dist-{task.name}",
-                    daemon=True,
-                )
-                task.reader.start()
-                tasks.append(task)
-        return _wait_for_tasks(tasks, err)
-    except KeyboardInterrupt:
-        _say(err, "interrupted; stopping all tasks.")
-        return _EXIT_INTERRUPTED
-    except _Terminated:
-        _say(err, "received SIGTERM; stopping all tasks.")
-        return 128 + signal.SIGTERM
-    finally:
-        # Stopping is bounded by `grace_period`; a SIGTERM now must not cut it
-        # short and leave tasks behind.
-        _ignore_sigterm_if_installed(previous_sigterm)
-        _stop_tasks(tasks, grace_period)
-        for task in tasks:
-            task.reader.join(timeout=_READER_JOIN_TIMEOUT)
-        _restore_sigterm_handler(previous_sigterm)
-
-
-@dataclasses.dataclass
-class _Task:
-    task_type: str
-    index: int
-    process: subprocess.Popen
-    reader: threading.Thread | None = None
-
-    @property
-    def name(self) -> str:
-        return f"{self.task_type}:{self.index}"
-
-
-class _Terminated(Exception):
-    """The launcher itself received SIGTERM."""
+        spec = cluster_lib.local_cluster(workers=workers, ps=ps, chief=chief, host=host)
+    except OSError as error:
+        # Too many tasks for the descriptor limit: say so, as for a task
+        # that cannot start.
+        _say(err, str(error))
+        return _process.EXIT_NO_RESOURCES
+    base_env = dict(os.environ if environ is None else environ)
+    specs = []
+    # Parameter servers first: the training tasks connect to them.
+    for task_type in ("ps", "chief", "worker"):
+        for index in range(len(spec.get(task_type, []))):
+            if task_type == "ps":
+                task_command = [sys.executable, *_PS_SERVER_ARGS]
+                env = _process.env_with_package(base_env)
+            else:
+                task_command, env = command, dict(base_env)
+            name = f"{task_type}:{index}"
+            env["TF_CONFIG"] = cluster_lib.make_tf_config(spec, task_type, index)
+            env[TASK_ENV_VAR] = name
+            env["PYTHONUNBUFFERED"] = "1"
+            specs.append(
+                _process.TaskSpec(name, task_command, env, serves=task_type == "ps")
+            )
+    # With parameter servers the chief is the coordinator: the job is done
+    # when it is, and the workers, which only serve, are stopped then.
+    return _process.run_tasks(
+        specs,
+        out,
+        lambda message: _say(err, message),
+        grace_period,
+        coordinator="chief:0" if ps and chief else None,
+    )
 
 
 class _UsageExit(Exception):
@@ -309,14 +267,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     launch_parser.add_argument(
         "--workers",
-        type=_positive_int,
+        type=_int_at_least(1),
         required=True,
         metavar="N",
         help="number of worker tasks (>= 1)",
     )
     launch_parser.add_argument(
         "--ps",
-        type=_non_negative_int,
+        type=_int_at_least(0),
         default=0,
         metavar="M",
         help="number of parameter-server tasks (default: 0)",
@@ -336,7 +294,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     launch_parser.add_argument(
         "--grace-period",
-        type=_non_negative_float,
+        type=_seconds,
         default=DEFAULT_GRACE_PERIOD,
         metavar="SECONDS",
         help=(
@@ -372,42 +330,36 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    value = _parse_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer >= 1. Received: {text!r}."
-        )
-    return value
+def _int_at_least(minimum: int):
+    """An argparse `type` for an integer >= `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer. Received: {text!r}."
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {minimum}. Received: {text!r}."
+            )
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = _parse_int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer >= 0. Received: {text!r}."
-        )
-    return value
-
-
-def _parse_int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer. Received: {text!r}."
-        ) from None
-
-
-def _non_negative_float(text: str) -> float:
+def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"must be a number of seconds. Received: {text!r}."
         ) from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0. Received: {text!r}.")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number >= 0. Received: {text!r}."
+        )
     return value
 
 
@@ -419,159 +371,6 @@ def _version_text() -> str:
 
 def _say(stream: IO[str], message: str) -> None:
     print(f"{PROG}: {message}", file=stream, flush=True)
-
-
-def _start_task(
-    task_type: str, index: int, command: list[str], env: dict[str, str]
-) -> _Task:
-    process = subprocess.Popen(
-        command,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        # Own process group: the launcher stops a task with everything it
-        # started, and a terminal's Ctrl-C reaches only the launcher, which
-        # then stops the tasks in order.
-        start_new_session=os.name == "posix",
-    )
-    return _Task(task_type, index, process)
-
-
-def _pump_output(task: _Task, out: IO[str], lock: threading.Lock) -> None:
-    prefix = f"[{task.name}] "
-    stream = task.process.stdout
-    try:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            with lock:
-                out.write(prefix + line + "\n")
-                out.flush()
-    finally:
-        stream.close()
-
-
-def _wait_for_tasks(tasks: list[_Task], err: IO[str]) -> int:
-    """Waits for the training tasks; returns the launcher's exit status."""
-    training = [task for task in tasks if task.task_type != "ps"]
-    servers = [task for task in tasks if task.task_type == "ps"]
-    # With parameter servers the chief is the coordinator: the job is done
-    # when it is, and the workers, which only serve, are stopped then.
-    chiefs = [task for task in training if task.task_type == "chief"]
-    coordinator = chiefs[0] if servers and chiefs else None
-    while training:
-        for task in list(training):
-            code = task.process.poll()
-            if code is None:
-                continue
-            training.remove(task)
-            # Let its last lines out before any message about it.
-            task.reader.join(timeout=_READER_JOIN_TIMEOUT)
-            if code != 0:
-                _say(
-                    err,
-                    f"task {task.name} failed with {_describe_exit(code)}; "
-                    "stopping the other tasks.",
-                )
-                return _exit_status(code)
-            if task is coordinator:
-                if training:
-                    _say(
-                        err,
-                        f"{task.name} (the coordinator) finished; stopping the "
-                        f"{len(training)} worker task(s) still serving.",
-                    )
-                return 0
-        for server in servers:
-            code = server.process.poll()
-            if code is not None:
-                server.reader.join(timeout=_READER_JOIN_TIMEOUT)
-                _say(
-                    err,
-                    f"parameter server {server.name} stopped with "
-                    f"{_describe_exit(code)} while training tasks were still "
-                    "running; stopping the other tasks.",
-                )
-                return _exit_status(code) or 1
-        time.sleep(_POLL_INTERVAL)
-    return 0
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"exit code {_exit_status(code)} (killed by {name})"
-    return f"exit code {code}"
-
-
-def _exit_status(code: int) -> int:
-    # Popen reports death by signal N as -N; shells report 128 + N.
-    return 128 - code if code < 0 else code
-
-
-def _stop_tasks(tasks: list[_Task], grace_period: float) -> None:
-    running = [task for task in tasks if task.process.poll() is None]
-    try:
-        for task in running:
-            _send_signal(task.process, signal.SIGTERM)
-        deadline = time.monotonic() + grace_period
-        for task in running:
-            try:
-                task.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _send_signal(task.process, _SIGKILL)
-                task.process.wait()
-    except KeyboardInterrupt:
-        # A second Ctrl-C while stopping: do not wait any longer.
-        for task in running:
-            if task.process.poll() is None:
-                _send_signal(task.process, _SIGKILL)
-                task.process.wait()
-        raise
-
-
-_SIGKILL = getattr(signal, "SIGKILL", signal.SIGTERM)
-
-
-def _send_signal(process: subprocess.Popen, signum: int) -> None:
-    # Only called while `process` is unreaped, so its pid (= its process
-    # group id) cannot have been reused.
-    try:
-        if os.name == "posix":
-            os.killpg(process.pid, signum)
-        else:
-            process.send_signal(signum)
-    except ProcessLookupError:
-        pass
-
-
-_NOT_INSTALLED = object()
-
-
-def _install_sigterm_handler():
-    """Turns SIGTERM into `_Terminated`; returns the handler it replaced."""
-    if threading.current_thread() is not threading.main_thread():
-        return _NOT_INSTALLED
-
-    def handler(signum, frame):
-        raise _Terminated()
-
-    return signal.signal(signal.SIGTERM, handler)
-
-
-def _ignore_sigterm_if_installed(previous) -> None:
-    if previous is not _NOT_INSTALLED:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def _restore_sigterm_handler(previous) -> None:
-    if previous is not _NOT_INSTALLED:
-        # `None` means a handler not installed from Python; the default is
-        # the closest thing to put back.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _run_ps_server() -> int:

@@ -18,9 +18,12 @@ cluster.parse_tf_config()                        # validated dict
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+
+from keras_dist._validation import check_bool, check_int
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 
@@ -40,17 +43,30 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         A list of `count` port numbers.
 
     Raises:
-        ValueError: `count` is not an integer >= 1.
+        TypeError: `count` is not an int.
+        ValueError: `count` is < 1.
+        OSError: the process has too few file descriptors left to hold
+            `count` sockets at once (the message says how to raise the limit).
     """
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ValueError(f"`count` must be an integer >= 1. Received: count={count!r}.")
+    count = check_int("count", count, minimum=1)
     sockets = []
     try:
         for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            except OSError as error:
+                if error.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                raise OSError(
+                    error.errno,
+                    f"cannot hold {count} free ports at once: the process ran "
+                    f"out of file descriptors after {len(sockets)} "
+                    f"({error.strerror}). Raise the limit (e.g. "
+                    "`ulimit -n 4096`) or use fewer tasks.",
+                ) from None
+            sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, 0))
-            sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
@@ -74,20 +90,19 @@ def local_cluster(
         `{"worker": ["localhost:40001", "localhost:40002"]}`.
 
     Raises:
-        TypeError: `workers` is not an int.
+        TypeError: `workers` or `ps` is not an int, or `chief` not a bool.
         ValueError: `workers` or `ps` is out of range.
     """
+    chief = check_bool("chief", chief)
     min_workers = 0 if chief else 1
-    if not isinstance(workers, int) or isinstance(workers, bool):
-        raise TypeError(f"`workers` must be an int. Received: workers={workers!r}.")
-    if workers < min_workers:
-        raise ValueError(
-            f"`workers` must be >= {min_workers}. Received: workers={workers}. "
-            "A cluster needs at least one task that trains."
-        )
-    if not isinstance(ps, int) or isinstance(ps, bool) or ps < 0:
-        raise ValueError(f"`ps` must be an integer >= 0. Received: ps={ps!r}.")
-    total = workers + ps + int(bool(chief))
+    workers = check_int(
+        "workers",
+        workers,
+        minimum=min_workers,
+        hint="A cluster needs at least one task that trains.",
+    )
+    ps = check_int("ps", ps, minimum=0)
+    total = workers + ps + int(chief)
     ports = iter(free_ports(total))
     spec: dict[str, list[str]] = {}
     if chief:

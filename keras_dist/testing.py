@@ -27,16 +27,15 @@ import importlib.util
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 
+from keras_dist import _process
 from keras_dist import cluster as cluster_lib
-
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from keras_dist._validation import check_int, check_real
 
 
 class WorkerError(RuntimeError):
@@ -72,9 +71,11 @@ def run_workers(
         The list of return values, indexed by worker.
 
     Raises:
-        TypeError: `fn` is not callable.
+        TypeError: `fn` is not callable, `num_workers` is not an int or
+            `timeout` not a number.
         ValueError: `fn` is not a module-level function (a lambda, a nested
-            function, a `functools.partial`), or `num_workers` < 1.
+            function, a `functools.partial`), `num_workers` < 1, or `timeout`
+            is not a finite number > 0.
         WorkerError: a worker raised, exited non-zero or timed out. The message
             holds that worker's traceback and the tail of its output.
     """
@@ -87,11 +88,10 @@ def run_workers(
             f"import it by name. Received: fn={fn!r}. Wrap partial arguments "
             "into `args`/`kwargs` instead."
         )
-    if not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(
-            f"`num_workers` must be an integer >= 1. Received: "
-            f"num_workers={num_workers!r}."
-        )
+    num_workers = check_int("num_workers", num_workers, minimum=1)
+    timeout = check_real(
+        "timeout", timeout, minimum=0, low_open=True, hint="It is in seconds."
+    )
     spec = cluster_lib.local_cluster(workers=num_workers)
     workdir = tempfile.mkdtemp(prefix="keras_dist_workers_")
     module_file = getattr(sys.modules.get(fn.__module__), "__file__", None)
@@ -110,23 +110,18 @@ def run_workers(
         job_path = os.path.join(workdir, f"job_{index}.pkl")
         with open(job_path, "wb") as handle:
             pickle.dump(job, handle)
-        child_env = dict(os.environ)
-        child_env.update(env or {})
-        child_env["TF_CONFIG"] = cluster_lib.make_tf_config(spec, "worker", index)
-        child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         # The child runs `-m keras_dist.testing` before it reads the job file,
         # so this copy of keras_dist must be importable from the start.
-        child_env["PYTHONPATH"] = os.pathsep.join(
-            [_PACKAGE_ROOT, *filter(None, [child_env.get("PYTHONPATH")])]
-        )
+        child_env = _process.env_with_package({**os.environ, **(env or {})})
+        child_env["TF_CONFIG"] = cluster_lib.make_tf_config(spec, "worker", index)
+        child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         log = open(os.path.join(workdir, f"worker_{index}.log"), "w+b")  # noqa: SIM115
         logs.append(log)
         procs.append(
-            subprocess.Popen(
+            _process.start(
                 [sys.executable, "-m", "keras_dist.testing", job_path],
+                child_env,
                 stdout=log,
-                stderr=subprocess.STDOUT,
-                env=child_env,
             )
         )
     try:
@@ -134,7 +129,7 @@ def run_workers(
         if failed is not None:
             index, reason = failed
             # Stop the others before reading the logs they share offsets with.
-            _kill_all(procs)
+            _process.kill(procs)
             raise WorkerError(
                 f"worker {index} of {num_workers} {reason}.\n"
                 f"{_describe(workdir, index, logs[index])}"
@@ -145,36 +140,25 @@ def run_workers(
                 results.append(pickle.load(handle)["value"])
         return results
     finally:
-        _kill_all(procs)
+        _process.kill(procs)
         for log in logs:
             log.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _kill_all(procs):
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 def _wait_all(procs, timeout):
     """Waits for all processes; returns (index, reason) of the first failure."""
     deadline = time.monotonic() + timeout
-    while True:
-        pending = False
-        for index, proc in enumerate(procs):
-            code = proc.poll()
-            if code is None:
-                pending = True
-            elif code != 0:
-                return index, f"exited with code {code}"
-        if not pending:
-            return None
-        if time.monotonic() > deadline:
-            stuck = [i for i, p in enumerate(procs) if p.poll() is None]
-            return stuck[0], f"timed out after {timeout:.0f} s (still running: {stuck})"
-        time.sleep(0.05)
+    pending = list(procs)
+    while pending:
+        exited = _process.wait_any(pending, max(0.0, deadline - time.monotonic()))
+        if exited is None:
+            stuck = [procs.index(proc) for proc in pending]
+            return stuck[0], f"timed out after {timeout:g} s (still running: {stuck})"
+        pending.remove(exited)
+        if exited.returncode != 0:
+            return procs.index(exited), f"exited with code {exited.returncode}"
+    return None
 
 
 def _describe(workdir, index, log):

@@ -1,11 +1,19 @@
 """Tests for keras_dist.cluster: TF_CONFIG building and validation."""
 
 import json
+import pathlib
+import re
 import socket
+import subprocess
+import sys
+import textwrap
 
+import numpy as np
 import pytest
 
 from keras_dist import cluster
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SPEC = {"chief": ["localhost:2222"], "worker": ["localhost:2223", "host-b:2224"]}
 
@@ -157,10 +165,20 @@ def test_free_ports_are_distinct_and_bindable():
             sock.bind(("127.0.0.1", port))
 
 
-@pytest.mark.parametrize("count", [0, -1, 1.5, "2", True])
+@pytest.mark.parametrize("count", [0, -1])
 def test_free_ports_rejects_bad_count(count):
-    with pytest.raises(ValueError, match=r"`count` must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"`count` must be an int >= 1"):
         cluster.free_ports(count)
+
+
+@pytest.mark.parametrize("count", [1.5, "2", True])
+def test_free_ports_rejects_non_int_count(count):
+    with pytest.raises(TypeError, match=r"`count` must be an int >= 1"):
+        cluster.free_ports(count)
+
+
+def test_free_ports_accepts_numpy_ints():
+    assert len(cluster.free_ports(np.int64(2))) == 2
 
 
 def test_local_cluster_workers_only():
@@ -188,9 +206,11 @@ def test_local_cluster_chief_without_workers():
 
 
 def test_local_cluster_needs_a_training_task():
-    with pytest.raises(ValueError, match=r"`workers` must be >= 1"):
+    with pytest.raises(
+        ValueError, match=r"`workers` must be an int >= 1\. .* at least one task"
+    ):
         cluster.local_cluster(workers=0)
-    with pytest.raises(ValueError, match=r"`workers` must be >= 0"):
+    with pytest.raises(ValueError, match=r"`workers` must be an int >= 0"):
         cluster.local_cluster(workers=-1, chief=True)
 
 
@@ -200,10 +220,61 @@ def test_local_cluster_rejects_non_int_workers(workers):
         cluster.local_cluster(workers=workers)
 
 
-@pytest.mark.parametrize("ps", [-1, 1.0, True])
-def test_local_cluster_rejects_bad_ps(ps):
-    with pytest.raises(ValueError, match=r"`ps` must be an integer >= 0"):
+def test_local_cluster_rejects_bad_ps():
+    with pytest.raises(ValueError, match=r"`ps` must be an int >= 0"):
+        cluster.local_cluster(workers=1, ps=-1)
+
+
+@pytest.mark.parametrize("ps", [1.0, True])
+def test_local_cluster_rejects_non_int_ps(ps):
+    with pytest.raises(TypeError, match=r"`ps` must be an int >= 0"):
         cluster.local_cluster(workers=1, ps=ps)
+
+
+@pytest.mark.parametrize("chief", ["no", 1, None])
+def test_local_cluster_chief_must_be_a_bool(chief):
+    # A truthy string used to add a chief.
+    with pytest.raises(TypeError, match=r"`chief` must be a bool\. Received: chief="):
+        cluster.local_cluster(workers=1, chief=chief)
+
+
+def test_local_cluster_accepts_numpy_counts():
+    spec = cluster.local_cluster(np.int64(2), ps=np.int32(1), chief=np.bool_(True))
+    assert {name: len(tasks) for name, tasks in spec.items()} == {
+        "chief": 1,
+        "worker": 2,
+        "ps": 1,
+    }
+
+
+def test_free_ports_says_when_file_descriptors_run_out():
+    # A child with a descriptor limit of 32 asks for 100 sockets at once.
+    code = textwrap.dedent(
+        """
+        import resource, sys
+        # Imported as the command line imports it, without TensorFlow.
+        sys.argv[0] = "-m"
+        from keras_dist import cluster
+        resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))
+        try:
+            cluster.free_ports(100)
+        except OSError as error:
+            print(error)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(
+        r"cannot hold 100 free ports at once: the process ran out of file "
+        r"descriptors after \d+ .*`ulimit -n 4096`",
+        result.stdout,
+    ), result.stdout
 
 
 @pytest.mark.parametrize(

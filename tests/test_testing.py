@@ -76,8 +76,26 @@ def test_local_function_is_rejected():
 def test_bad_arguments_are_rejected():
     with pytest.raises(TypeError, match="`fn` must be callable"):
         run_workers("all_reduce_task_index")
-    with pytest.raises(ValueError, match="`num_workers` must be an integer >= 1"):
+    with pytest.raises(ValueError, match="`num_workers` must be an int >= 1"):
         run_workers(sleep_forever, num_workers=0)
+
+
+@pytest.mark.parametrize("num_workers", [True, 2.0, "2"])
+def test_num_workers_must_be_an_int(num_workers):
+    # `True` is an int in Python; it used to start one worker.
+    with pytest.raises(TypeError, match=r"`num_workers` must be an int >= 1\. Rec"):
+        run_workers(sleep_forever, num_workers=num_workers)
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, float("inf"), float("nan")])
+def test_timeout_must_be_a_positive_finite_number(timeout):
+    with pytest.raises(ValueError, match=r"`timeout` must be a finite number > 0\."):
+        run_workers(sleep_forever, timeout=timeout)
+
+
+def test_timeout_must_be_a_number():
+    with pytest.raises(TypeError, match=r"`timeout` must be .*Received: timeout='5'"):
+        run_workers(sleep_forever, timeout="5")
 
 
 def test_partial_is_rejected_with_a_clear_error():

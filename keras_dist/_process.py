@@ -1,0 +1,402 @@
+"""Start, watch and stop groups of task processes.
+
+One implementation for the two places that run a local cluster: the
+`keras-dist launch` command (`cli.py`) and `keras_dist.testing.run_workers`.
+Every task runs in its own process group (POSIX), so stopping a task stops
+whatever it started too; stopping is SIGTERM, then SIGKILL after a grace
+period. Popen reports death by signal N as -N; the exit statuses here follow
+the shells' `128 + N`.
+
+This module imports neither TensorFlow nor NumPy: the launcher starts its
+tasks without paying for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO
+
+# The folder that holds the `keras_dist` package: put first on a child's
+# PYTHONPATH, this very copy is importable there, installed or not.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+EXIT_INTERRUPTED = 130
+EXIT_CANNOT_START = 127
+# Too few file descriptors (or processes) to start every task.
+EXIT_NO_RESOURCES = 1
+POLL_INTERVAL = 0.05
+# Seconds to wait for a finished task's last output lines before moving on.
+READER_JOIN_TIMEOUT = 2.0
+SIGKILL = getattr(signal, "SIGKILL", signal.SIGTERM)
+_RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)
+
+
+class Terminated(Exception):
+    """The supervising process itself received SIGTERM."""
+
+
+@dataclasses.dataclass
+class TaskSpec:
+    """What to start for one task.
+
+    Attributes:
+        name: String. The task's name, e.g. `"worker:1"`; output lines are
+            prefixed with `[name] `.
+        command: List of strings. The program and its arguments.
+        env: Dict. The task's whole environment.
+        serves: Bool. The task serves the others (a parameter server) and
+            runs until they are done; its exit before then is a failure.
+    """
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    serves: bool = False
+
+
+@dataclasses.dataclass
+class Task:
+    """A started task: its spec, its process and the thread reading its output."""
+
+    spec: TaskSpec
+    process: subprocess.Popen
+    reader: threading.Thread | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def env_with_package(env: Mapping[str, str]) -> dict[str, str]:
+    """Returns a copy of `env` whose PYTHONPATH starts with this keras_dist."""
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [PACKAGE_PARENT, env.get("PYTHONPATH")])
+    )
+    return env
+
+
+def start(
+    command: Sequence[str], env: Mapping[str, str], stdout=subprocess.PIPE
+) -> subprocess.Popen:
+    """Starts `command` in a process group of its own, stderr merged into stdout.
+
+    Own process group: stopping the task stops everything it started, and a
+    terminal's Ctrl-C reaches only the supervisor, which then stops the tasks
+    in order.
+
+    Raises:
+        OSError: the program cannot be started (its message says why).
+    """
+    return subprocess.Popen(
+        list(command),
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        env=dict(env),
+        start_new_session=os.name == "posix",
+    )
+
+
+def is_out_of_resources(error: OSError) -> bool:
+    """Whether `error` means too few file descriptors or processes."""
+    return error.errno in _RESOURCE_ERRNOS
+
+
+def describe_start_error(command: Sequence[str], error: OSError, count: int) -> str:
+    """The message for a task that could not be started."""
+    if is_out_of_resources(error):
+        return (
+            f"cannot start {count} tasks: the system refused another process "
+            f"or file descriptor ({error.strerror}). Each task needs a few "
+            "file descriptors; raise the limit (e.g. `ulimit -n 4096`) or "
+            "start fewer tasks."
+        )
+    return f"cannot start {' '.join(command)!r}: {error}."
+
+
+class PrefixedOutput:
+    """Writes the lines of several tasks to one text stream, each prefixed.
+
+    Lines are written whole (one lock) and flushed one by one. When the
+    reader of `stream` goes away (`keras-dist launch ... | head -1`), the
+    output is dropped from then on while the tasks keep running: their
+    output is still read, so they never block on a full pipe, and whether
+    they succeed does not depend on who reads the log.
+    """
+
+    def __init__(self, stream: IO[str]):
+        self.stream = stream
+        self.broken = False
+        self._lock = threading.Lock()
+
+    def write_line(self, prefix: str, line: str) -> None:
+        with self._lock:
+            if self.broken:
+                return
+            try:
+                self.stream.write(prefix + line + "\n")
+                self.stream.flush()
+            except BrokenPipeError:
+                self.broken = True
+                self._silence_stream()
+
+    def follow(self, task: Task) -> threading.Thread:
+        """Starts (and returns) the daemon thread copying `task`'s output here."""
+        thread = threading.Thread(
+            target=self._pump,
+            args=(task.process.stdout, f"[{task.name}] "),
+            name=f"keras-dist-{task.name}",
+            daemon=True,
+        )
+        thread.start()
+        return thread
+
+    def _pump(self, pipe, prefix: str) -> None:
+        try:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                self.write_line(prefix, line)
+        finally:
+            pipe.close()
+
+    def _silence_stream(self) -> None:
+        # The unwritten rest stays buffered in `sys.stdout`, and flushing it
+        # at interpreter exit would raise again ("Exception ignored ...
+        # BrokenPipeError"). Python's documented fix: point the descriptor
+        # at /dev/null.
+        if self.stream is not sys.stdout:
+            return
+        try:
+            descriptor = self.stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            return
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, descriptor)
+        finally:
+            os.close(devnull)
+
+
+def wait_any(
+    processes: Sequence[subprocess.Popen], timeout: float | None = None
+) -> subprocess.Popen | None:
+    """Waits until one of `processes` has exited; returns it.
+
+    When several have exited, returns the first in `processes` order.
+
+    Args:
+        processes: Sequence of Popen. The processes to watch; non-empty.
+        timeout: Float or `None`. Seconds to wait at most; `None` waits as
+            long as it takes.
+
+    Returns:
+        An exited process, or `None` when `timeout` passed first.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        for process in processes:
+            if process.poll() is not None:
+                return process
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        time.sleep(POLL_INTERVAL)
+
+
+def exit_status(code: int) -> int:
+    """Popen's return code as a shell reports it (`128 + N` for signal N)."""
+    return 128 - code if code < 0 else code
+
+
+def describe_exit(code: int) -> str:
+    """`"exit code 3"`, or `"exit code 137 (killed by SIGKILL)"`."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"exit code {exit_status(code)} (killed by {name})"
+    return f"exit code {code}"
+
+
+def send_signal(process: subprocess.Popen, signum: int) -> None:
+    """Sends `signum` to `process`'s whole process group (POSIX)."""
+    # Only called while `process` is unreaped, so its pid (= its process
+    # group id) cannot have been reused.
+    try:
+        if os.name == "posix":
+            os.killpg(process.pid, signum)
+        else:
+            process.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+def stop(processes: Sequence[subprocess.Popen], grace_period: float) -> None:
+    """Stops the running `processes`: SIGTERM, then SIGKILL after `grace_period`.
+
+    Returns once every one of them has exited. A Ctrl-C while waiting kills
+    the rest at once and is re-raised.
+    """
+    running = [process for process in processes if process.poll() is None]
+    try:
+        for process in running:
+            send_signal(process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_period
+        for process in running:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                send_signal(process, SIGKILL)
+                process.wait()
+    except KeyboardInterrupt:
+        # A second Ctrl-C while stopping: do not wait any longer.
+        kill(running)
+        raise
+
+
+def kill(processes: Sequence[subprocess.Popen]) -> None:
+    """SIGKILLs the running `processes` (and their groups) and reaps them."""
+    for process in processes:
+        if process.poll() is None:
+            send_signal(process, SIGKILL)
+            process.wait()
+
+
+def run_tasks(
+    specs: Sequence[TaskSpec],
+    out: IO[str],
+    say: Callable[[str], None],
+    grace_period: float,
+    coordinator: str | None = None,
+) -> int:
+    """Starts every task, streams its prefixed output, and supervises them.
+
+    Tasks start in `specs` order. The job is done when every task that does
+    not serve has exited with status 0, or as soon as the `coordinator` task
+    has. The first task that fails, or a serving task that exits while
+    others still run, stops all the others (`stop` with `grace_period`).
+    SIGTERM to this process (main thread only) and Ctrl-C stop them too.
+
+    Args:
+        specs: Sequence of `TaskSpec`. The tasks.
+        out: Text stream. Where the prefixed task output goes.
+        say: Callable. Reports a line about the tasks (to the user).
+        grace_period: Float. Seconds between SIGTERM and SIGKILL.
+        coordinator: String or `None`. Name of the task whose success ends
+            the job. Defaults to `None`.
+
+    Returns:
+        `0` on success; else the exit status of the first task that failed,
+        `127` when a command could not be started, `1` when the system had
+        no resources for another task, `130` after Ctrl-C, `143` after
+        SIGTERM.
+    """
+    output = PrefixedOutput(out)
+    tasks: list[Task] = []
+    previous_sigterm = _install_sigterm_handler()
+    try:
+        for spec in specs:
+            try:
+                process = start(spec.command, spec.env)
+            except OSError as error:
+                say(describe_start_error(spec.command, error, len(specs)))
+                if is_out_of_resources(error):
+                    return EXIT_NO_RESOURCES
+                return EXIT_CANNOT_START
+            task = Task(spec, process)
+            tasks.append(task)
+            task.reader = output.follow(task)
+        return _supervise(tasks, say, coordinator)
+    except KeyboardInterrupt:
+        say("interrupted; stopping all tasks.")
+        return EXIT_INTERRUPTED
+    except Terminated:
+        say("received SIGTERM; stopping all tasks.")
+        return 128 + signal.SIGTERM
+    finally:
+        # Stopping is bounded by `grace_period`; a SIGTERM now must not cut
+        # it short and leave tasks behind.
+        _ignore_sigterm_if_installed(previous_sigterm)
+        stop([task.process for task in tasks], grace_period)
+        for task in tasks:
+            task.reader.join(timeout=READER_JOIN_TIMEOUT)
+        _restore_sigterm_handler(previous_sigterm)
+
+
+def _supervise(tasks: list[Task], say, coordinator: str | None) -> int:
+    """Waits for the tasks that do not serve; returns the exit status."""
+    pending = [task for task in tasks if not task.spec.serves]
+    servers = [task for task in tasks if task.spec.serves]
+    finished_early = []
+    while pending:
+        watched = pending + servers
+        exited = wait_any([task.process for task in watched])
+        task = next(task for task in watched if task.process is exited)
+        code = exited.returncode
+        # Let its last lines out before any message about it.
+        task.reader.join(timeout=READER_JOIN_TIMEOUT)
+        if task.spec.serves:
+            say(
+                f"parameter server {task.name} stopped with "
+                f"{describe_exit(code)} while training tasks were still "
+                "running; stopping the other tasks."
+            )
+            return exit_status(code) or 1
+        pending.remove(task)
+        if code != 0:
+            note = ""
+            if finished_early:
+                names = ", ".join(finished_early)
+                note = (
+                    f" ({names} had already exited with status 0: a task that "
+                    "leaves early can make its peers' collectives fail)"
+                )
+            say(
+                f"task {task.name} failed with {describe_exit(code)}{note}; "
+                "stopping the other tasks."
+            )
+            return exit_status(code)
+        if task.name == coordinator:
+            if pending:
+                say(
+                    f"{task.name} (the coordinator) finished; stopping the "
+                    f"{len(pending)} worker task(s) still serving."
+                )
+            return 0
+        finished_early.append(task.name)
+    return 0
+
+
+_NOT_INSTALLED = object()
+
+
+def _install_sigterm_handler():
+    """Turns SIGTERM into `Terminated`; returns the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return _NOT_INSTALLED
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _ignore_sigterm_if_installed(previous) -> None:
+    if previous is not _NOT_INSTALLED:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _restore_sigterm_handler(previous) -> None:
+    if previous is not _NOT_INSTALLED:
+        # `None` means a handler not installed from Python; the default is
+        # the closest thing to put back.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
