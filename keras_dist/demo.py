@@ -367,7 +367,9 @@ def format_note(results, replicas: int, cores: int) -> str:
     paragraphs = [
         f"samples/s: the {device} split each global batch but run on this "
         f"machine's {cpu} and add an all-reduce per step, so throughput cannot "
-        "grow with replicas here. It is not keras_dist's speed on real hardware.",
+        "grow with replicas here: differences in this column are that overhead "
+        "and whatever else the machine is running. It is not keras_dist's speed "
+        "on real hardware.",
         f"What this run shows: test accuracy on replicas vs one device (1 replica "
         f"{single:.3f}; {replicas} replicas {spread}), the bytes each replica "
         "puts on the wire per step (here a copy in memory), and how much each "
