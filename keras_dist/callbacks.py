@@ -13,7 +13,9 @@ micro-batch fixed and changes the *effective* batch through
 It scales the learning rate with the global batch (linear rule of Goyal et
 al., 2017, or square root), warms it up gradually from the unscaled rate, and,
 in adaptive mode, grows the batch toward the gradient noise scale measured
-during training (McCandlish et al., 2018).
+during training (McCandlish et al., 2018). The noise-scale arithmetic lives in
+`keras_dist.noise_scale` (`estimate_noise` and `NoiseScaleMeasurement` are
+importable from here too); the callback feeds it and applies its decisions.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ import tensorflow as tf
 
 from keras_dist import _compat, _gradient_statistics
 from keras_dist._fit_data import BatchesFitData
-from keras_dist.optimizers import find_accumulator
+from keras_dist._validation import check_bool, check_choice, check_int, check_real
+from keras_dist.noise_scale import NoiseScaleController, NoiseScaleMeasurement
+from keras_dist.noise_scale import estimate_noise as estimate_noise
+from keras_dist.optimizers import GradientAccumulationOptimizer, find_accumulator
 
 logger = logging.getLogger(__name__)
 
@@ -98,71 +103,6 @@ class ScaledLearningRate(keras.optimizers.schedules.LearningRateSchedule):
         return cls(keras.saving.deserialize_keras_object(config["schedule"]))
 
 
-# --- The noise-scale estimator ---------------------------------------------------
-
-
-def estimate_noise(local_sq_norm, reduced_sq_norm, num_replicas, per_replica_batch):
-    """Unbiased estimates of `|G|^2` and `tr(Sigma)` from two gradient norms.
-
-    A gradient averaged over `B` examples has expected squared norm
-    `|G|^2 + tr(Sigma) / B`, where `G` is the true gradient and `Sigma` the
-    per-example gradient covariance. Measured at two batch sizes, the
-    per-replica batch `b` (`local_sq_norm = mean_i |G_i|^2`) and the global
-    batch `R * b` (`reduced_sq_norm = |G_reduced|^2`), the two equations give
-    (McCandlish et al., 2018, appendix A.1):
-
-        |G|^2     ~ (R * reduced_sq_norm - local_sq_norm) / (R - 1)
-        tr(Sigma) ~ R * b * (local_sq_norm - reduced_sq_norm) / (R - 1)
-
-    Both are unbiased; their ratio `tr(Sigma) / |G|^2` is the simple noise
-    scale `B_simple`. Average or smooth each term before dividing.
-
-    Args:
-        local_sq_norm: Float. Mean over replicas of the squared norm of each
-            replica's gradient (of the mean loss over its own examples).
-        reduced_sq_norm: Float. Squared norm of the all-reduced gradient.
-        num_replicas: Int >= 2. Replicas `R` in the all-reduce.
-        per_replica_batch: Int. Examples behind each replica's gradient `b`
-            (micro-batch x accumulation steps).
-
-    Returns:
-        A tuple `(gradient_sq_norm, trace_covariance)` of floats.
-    """
-    if num_replicas < 2:
-        raise ValueError(
-            "`num_replicas` must be >= 2: the estimate compares per-replica and "
-            f"all-reduced gradients. Received: num_replicas={num_replicas!r}."
-        )
-    r = float(num_replicas)
-    gradient_sq_norm = (r * reduced_sq_norm - local_sq_norm) / (r - 1.0)
-    trace_covariance = r * per_replica_batch * (local_sq_norm - reduced_sq_norm)
-    return gradient_sq_norm, trace_covariance / (r - 1.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class NoiseScaleMeasurement:
-    """One adaptation decision of `AutoScaleBatch` in adaptive mode.
-
-    Attributes:
-        update: Int. Optimizer updates since the callback started on this
-            optimizer.
-        samples: Int. Training examples seen since then (all replicas).
-        gradient_sq_norm: Float. Estimate of `|G|^2` from this window alone.
-        trace_covariance: Float. Estimate of `tr(Sigma)` from this window
-            alone.
-        noise_scale: Float. `B_simple`: the ratio of the smoothed estimates
-            (`inf` while the smoothed `|G|^2` is not positive).
-        batch_size: Int. Global batch size after the decision.
-    """
-
-    update: int
-    samples: int
-    gradient_sq_norm: float
-    trace_covariance: float
-    noise_scale: float
-    batch_size: int
-
-
 # --- The callback -------------------------------------------------------------------
 
 
@@ -181,6 +121,39 @@ class _Run:
     origin_updates: int
     origin_micro_steps: int
     last_learning_rate: float | None = None
+
+
+@dataclasses.dataclass
+class _FitState:
+    """Per-`fit` state of `AutoScaleBatch`, made anew in `on_train_begin`.
+
+    The counters mirror the accumulation optimizer's in Python (reading its
+    variables every step would synchronise host and device); they count from
+    the run's origin (`_Run`) and are realigned with the optimizer once per
+    epoch.
+    """
+
+    replicas: int
+    accumulation_steps: int
+    accumulator: GradientAccumulationOptimizer | None
+    schedule: ScaledLearningRate | None
+    epoch_steps: int | None
+    updates: int
+    micro_steps: int
+    # Micro-steps of the accumulation cycle in progress.
+    pending_micro_steps: int
+    # `batch` of the last `on_train_batch_begin`: with `steps_per_execution`,
+    # one call runs `batch_end - batch_begin + 1` micro-steps.
+    batch_begin: int = 0
+    # The last learning-rate multiplier set, to skip setting it again.
+    multiplier: float | None = None
+    measurements: list[NoiseScaleMeasurement] = dataclasses.field(default_factory=list)
+    # Adaptive mode only.
+    controller: NoiseScaleController | None = None
+    statistics: _gradient_statistics.GradientStatistics | None = None
+    # The statistics' running sums at the last decision.
+    last_totals: tuple[float, float, int] | None = None
+    updates_since_decision: int = 0
 
 
 class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
@@ -218,8 +191,8 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
     update, the squared norm of each replica's gradient (all-reduced as one
     extra scalar) and of the all-reduced gradient. Every `adapt_every`
     updates the callback turns the window's averages into unbiased estimates
-    of `|G|^2` and `tr(Sigma)` (see `estimate_noise`), smooths each with an
-    exponential moving average, and takes the simple noise scale
+    of `|G|^2` and `tr(Sigma)` (see `keras_dist.noise_scale`), smooths each
+    with an exponential moving average, and takes the simple noise scale
     `B_simple = EMA(tr(Sigma)) / EMA(|G|^2)` (McCandlish et al., 2018). When
     `B_simple` exceeds the global batch, `accumulation_steps` grows toward
     `floor(B_simple / (per_replica_batch_size x num_replicas_in_sync))`, by
@@ -336,33 +309,28 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         verbose=0,
     ):
         super().__init__()
-        _check_positive_int("per_replica_batch_size", per_replica_batch_size)
-        if base_batch_size is not None:
-            _check_positive_int("base_batch_size", base_batch_size)
-        if lr_scaling not in LR_SCALINGS:
+        per_replica_batch_size = check_int(
+            "per_replica_batch_size", per_replica_batch_size, minimum=1
+        )
+        base_batch_size = check_int(
+            "base_batch_size", base_batch_size, minimum=1, allow_none=True
+        )
+        lr_scaling = check_choice(
+            "lr_scaling",
+            lr_scaling,
+            LR_SCALINGS,
+            hint="Use 'linear' for SGD (Goyal et al.), 'sqrt' for adaptive "
+            "optimizers such as Adam, None to keep the learning rate.",
+        )
+        warmup_epochs = check_real("warmup_epochs", warmup_epochs, minimum=0)
+        warmup_steps = check_int(
+            "warmup_steps", warmup_steps, minimum=0, allow_none=True
+        )
+        if warmup_steps is not None and warmup_epochs:
             raise ValueError(
-                "`lr_scaling` must be one of 'linear', 'sqrt' or None. "
-                f"Received: lr_scaling={lr_scaling!r}. Use 'linear' for SGD "
-                "(Goyal et al.), 'sqrt' for adaptive optimizers such as Adam, "
-                "None to keep the learning rate."
+                "Pass `warmup_epochs` or `warmup_steps`, not both. Received: "
+                f"warmup_epochs={warmup_epochs!r}, warmup_steps={warmup_steps!r}."
             )
-        if (
-            not isinstance(warmup_epochs, numbers.Real)
-            or isinstance(warmup_epochs, bool)
-            or not warmup_epochs >= 0
-            or math.isinf(warmup_epochs)
-        ):
-            raise ValueError(
-                "`warmup_epochs` must be a finite number >= 0. Received: "
-                f"warmup_epochs={warmup_epochs!r}."
-            )
-        if warmup_steps is not None:
-            _check_positive_int("warmup_steps", warmup_steps, minimum=0)
-            if warmup_epochs:
-                raise ValueError(
-                    "Pass `warmup_epochs` or `warmup_steps`, not both. Received: "
-                    f"warmup_epochs={warmup_epochs!r}, warmup_steps={warmup_steps!r}."
-                )
         if lr_scaling is None and (warmup_epochs or warmup_steps):
             raise ValueError(
                 "Warmup rises from the unscaled to the scaled learning rate, so "
@@ -370,55 +338,28 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
                 f"warmup_epochs={warmup_epochs!r}, warmup_steps={warmup_steps!r}. "
                 "Set lr_scaling='linear' or 'sqrt', or drop the warmup."
             )
-        if not isinstance(adaptive, bool):
-            raise TypeError(
-                f"`adaptive` must be a bool. Received: adaptive={adaptive!r}."
+        adaptive = check_bool("adaptive", adaptive)
+        max_batch_size = check_int(
+            "max_batch_size", max_batch_size, minimum=1, allow_none=True
+        )
+        if max_batch_size is not None and not adaptive:
+            raise ValueError(
+                "`max_batch_size` bounds the growth of adaptive mode. "
+                f"Received: max_batch_size={max_batch_size!r} with "
+                "adaptive=False. Pass adaptive=True, or drop max_batch_size."
             )
-        if max_batch_size is not None:
-            _check_positive_int("max_batch_size", max_batch_size)
-            if not adaptive:
-                raise ValueError(
-                    "`max_batch_size` bounds the growth of adaptive mode. "
-                    f"Received: max_batch_size={max_batch_size!r} with "
-                    "adaptive=False. Pass adaptive=True, or drop max_batch_size."
-                )
-            if max_batch_size < per_replica_batch_size:
-                raise ValueError(
-                    "`max_batch_size` (a global batch) must be >= "
-                    f"`per_replica_batch_size`. Received: max_batch_size="
-                    f"{max_batch_size!r}, per_replica_batch_size="
-                    f"{per_replica_batch_size!r}."
-                )
-        elif adaptive:
+        if max_batch_size is None and adaptive:
             raise ValueError(
                 "Adaptive mode needs `max_batch_size`, the largest global batch "
                 "it may grow to. Received: max_batch_size=None with "
                 "adaptive=True. Pass e.g. max_batch_size=8192."
             )
-        _check_positive_int("adapt_every", adapt_every)
-        if (
-            not isinstance(ema_decay, numbers.Real)
-            or isinstance(ema_decay, bool)
-            or not 0 <= ema_decay < 1
-        ):
+        if max_batch_size is not None and max_batch_size < per_replica_batch_size:
             raise ValueError(
-                "`ema_decay` must be a number in [0, 1). Received: "
-                f"ema_decay={ema_decay!r}. 0 uses each window alone; 0.9 "
-                "averages over about 10 windows."
-            )
-        if (
-            not isinstance(max_growth, numbers.Real)
-            or isinstance(max_growth, bool)
-            or not 1 < max_growth < math.inf
-        ):
-            raise ValueError(
-                "`max_growth` must be a finite number > 1. Received: "
-                f"max_growth={max_growth!r}. 2 lets one decision at most double "
-                "the batch."
-            )
-        if verbose not in (0, 1):
-            raise ValueError(
-                f"`verbose` must be 0 or 1. Received: verbose={verbose!r}."
+                "`max_batch_size` (a global batch) must be >= "
+                f"`per_replica_batch_size`. Received: max_batch_size="
+                f"{max_batch_size!r}, per_replica_batch_size="
+                f"{per_replica_batch_size!r}."
             )
         self.per_replica_batch_size = per_replica_batch_size
         self.base_batch_size = base_batch_size
@@ -427,31 +368,52 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         self.warmup_steps = warmup_steps
         self.adaptive = adaptive
         self.max_batch_size = max_batch_size
-        self.adapt_every = adapt_every
-        self.ema_decay = float(ema_decay)
-        self.max_growth = float(max_growth)
-        self.verbose = verbose
-        self.measurements: list[NoiseScaleMeasurement] = []
+        self.adapt_every = check_int("adapt_every", adapt_every, minimum=1)
+        self.ema_decay = check_real(
+            "ema_decay",
+            ema_decay,
+            minimum=0,
+            maximum=1,
+            high_open=True,
+            hint="0 uses each window alone; 0.9 averages over about 10 windows.",
+        )
+        self.max_growth = check_real(
+            "max_growth",
+            max_growth,
+            minimum=1,
+            low_open=True,
+            hint="2 lets one decision at most double the batch.",
+        )
+        self.verbose = check_int("verbose", verbose, minimum=0, maximum=1)
+        # What survives across `fit` calls on one optimizer.
         self._run: _Run | None = None
+        # State of the current (or last) `fit`, made in `on_train_begin`.
+        self._fit: _FitState | None = None
         self._told_how_to_batch = False
         # Set by `data_batched_by_model` just before `fit`, read when it starts.
         self._fit_data = None
-        self._replicas = None
-        self._steps = None
 
     # --- Public state -------------------------------------------------------
 
     @property
     def batch_size(self):
         """Global batch size of the current (or last) `fit`; `None` before."""
-        if self._replicas is None:
+        fit = self._fit
+        if fit is None:
             return None
-        return self.per_replica_batch_size * self._replicas * self._steps
+        return self.per_replica_batch_size * fit.replicas * fit.accumulation_steps
 
     @property
     def noise_scale(self):
         """Latest smoothed `B_simple` estimate (`nan` before the first one)."""
-        return getattr(self, "_noise_scale", math.nan)
+        if self._fit is None or self._fit.controller is None:
+            return math.nan
+        return self._fit.controller.noise_scale
+
+    @property
+    def measurements(self) -> list[NoiseScaleMeasurement]:
+        """Every adaptation decision of the current (or last) `fit`."""
+        return [] if self._fit is None else self._fit.measurements
 
     def data_batched_by_model(self, description: str) -> None:
         """Called by `DistributedModel.fit` after it batched the data.
@@ -510,9 +472,9 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
                 f"`fit` does not know. Received: warmup_epochs={self.warmup_epochs!r}. "
                 "Pass `steps_per_epoch` to `fit`, or use `warmup_steps`."
             )
-        self._schedule = _find_scaled_schedule(optimizer)
-        float_rate = self._schedule is None and _has_float_learning_rate(optimizer)
-        if self._schedule is None and not float_rate and self.lr_scaling is not None:
+        schedule = _find_scaled_schedule(optimizer)
+        float_rate = schedule is None and _has_float_learning_rate(optimizer)
+        if schedule is None and not float_rate and self.lr_scaling is not None:
             raise TypeError(
                 "AutoScaleBatch cannot rescale this optimizer's learning rate, "
                 "a `LearningRateSchedule`. Wrap the schedule: "
@@ -520,37 +482,37 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
                 "schedule))`, or pass lr_scaling=None."
             )
 
-        self._replicas = replicas
-        self._steps = steps
-        self._accumulator = accumulator
-        self._epoch_steps = epoch_steps
         updates = int(optimizer.iterations.numpy())
         micro_steps = _micro_steps(accumulator, updates)
         self._start_run(optimizer, float_rate, global_batch, updates, micro_steps)
-        self._updates = updates - self._run.origin_updates
-        self._micro_steps = micro_steps - self._run.origin_micro_steps
-        self._pending = (
-            int(accumulator.pending_micro_steps.numpy())
-            if accumulator is not None and accumulator.built
-            else 0
+        fit = _FitState(
+            replicas=replicas,
+            accumulation_steps=steps,
+            accumulator=accumulator,
+            schedule=schedule,
+            epoch_steps=epoch_steps,
+            updates=updates - self._run.origin_updates,
+            micro_steps=micro_steps - self._run.origin_micro_steps,
+            pending_micro_steps=_pending_micro_steps(accumulator),
         )
-        self._multiplier = None
-        self._batch_begin = 0
-        self._noise_scale = math.nan
-        self._ema = [0.0, 0.0]
-        self._windows = 0
-        self._since_decision = 0
-        self.measurements = []
         if self.adaptive:
-            self._statistics = _gradient_statistics.gradient_statistics(optimizer)
-            if self._statistics is None:
+            fit.controller = NoiseScaleController(
+                num_replicas=replicas,
+                per_replica_batch_size=self.per_replica_batch_size,
+                max_batch_size=self.max_batch_size,
+                ema_decay=self.ema_decay,
+                max_growth=self.max_growth,
+            )
+            fit.statistics = _gradient_statistics.gradient_statistics(optimizer)
+            if fit.statistics is None:
                 with strategy.scope():
-                    self._statistics = _gradient_statistics.GradientStatistics()
-                _gradient_statistics.attach_statistics(optimizer, self._statistics)
+                    fit.statistics = _gradient_statistics.GradientStatistics()
+                _gradient_statistics.attach_statistics(optimizer, fit.statistics)
                 # `fit` made its train function before this hook; make it again
                 # so that its first trace includes the statistics.
                 model.make_train_function(force=True)
-            self._last_read = self._statistics.read()
+            fit.last_totals = fit.statistics.read()
+        self._fit = fit
         self._tell_how_to_batch(fit_data)
         logger.info(
             "AutoScaleBatch: global batch %d = %d per replica x %d replicas x %d "
@@ -564,26 +526,31 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         )
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._batch_begin = batch
+        fit = self._fit
+        fit.batch_begin = batch
         # Set the rate for the first update this call may complete.
-        if self._steps - self._pending <= self.model.steps_per_execution:
+        if (
+            fit.accumulation_steps - fit.pending_micro_steps
+            <= self.model.steps_per_execution
+        ):
             self._apply_multiplier(
-                self._multiplier_for(self._updates, self._micro_steps - self._pending)
+                self._multiplier_for(
+                    fit.updates, fit.micro_steps - fit.pending_micro_steps
+                )
             )
 
     def on_train_batch_end(self, batch, logs=None):
-        # Mirror the accumulation optimizer's counters in Python: reading its
-        # variables every step would synchronise host and device.
-        micro = max(1, batch - self._batch_begin + 1)
-        total = self._pending + micro
-        new_updates = total // self._steps
-        self._pending = total % self._steps
-        self._updates += new_updates
-        self._micro_steps += micro
+        fit = self._fit
+        micro = max(1, batch - fit.batch_begin + 1)
+        total = fit.pending_micro_steps + micro
+        new_updates = total // fit.accumulation_steps
+        fit.pending_micro_steps = total % fit.accumulation_steps
+        fit.updates += new_updates
+        fit.micro_steps += micro
         if self.adaptive:
-            self._since_decision += new_updates
-            if self._since_decision >= self.adapt_every:
-                self._since_decision = 0
+            fit.updates_since_decision += new_updates
+            if fit.updates_since_decision >= self.adapt_every:
+                fit.updates_since_decision = 0
                 self._adapt()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -595,7 +562,7 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
             keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)
         )
         if self.adaptive:
-            logs["noise_scale"] = float(self._noise_scale)
+            logs["noise_scale"] = float(self.noise_scale)
 
     # --- Learning rate -----------------------------------------------------------
 
@@ -636,7 +603,7 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         if self.warmup_steps:
             return min(1.0, update / self.warmup_steps)
         if self.warmup_epochs:
-            warmup_micro_steps = self.warmup_epochs * self._epoch_steps
+            warmup_micro_steps = self.warmup_epochs * self._fit.epoch_steps
             return min(1.0, cycle_start_micro_step / warmup_micro_steps)
         return 1.0
 
@@ -645,11 +612,12 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         return 1.0 + (self._scale_factor() - 1.0) * progress
 
     def _apply_multiplier(self, multiplier):
-        if multiplier == self._multiplier:
+        fit = self._fit
+        if multiplier == fit.multiplier:
             return
-        self._multiplier = multiplier
-        if self._schedule is not None:
-            self._schedule.multiplier.assign(multiplier)
+        fit.multiplier = multiplier
+        if fit.schedule is not None:
+            fit.schedule.multiplier.assign(multiplier)
         elif self._run.base_learning_rate is not None:
             rate = self._run.base_learning_rate * multiplier
             self.model.optimizer.learning_rate = rate
@@ -659,83 +627,57 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
     # --- Adaptive batch ------------------------------------------------------------
 
     def _adapt(self):
-        totals = self._statistics.read()
+        fit = self._fit
+        totals = fit.statistics.read()
         local, reduced, count = (
-            now - before for now, before in zip(totals, self._last_read)
+            now - before for now, before in zip(totals, fit.last_totals)
         )
-        self._last_read = totals
-        if count <= 0:
+        fit.last_totals = totals
+        estimate = fit.controller.update(
+            local, reduced, count, accumulation_steps=fit.accumulation_steps
+        )
+        if estimate is None:
             return
-        gradient_sq_norm, trace = estimate_noise(
-            local / count,
-            reduced / count,
-            self._replicas,
-            self.per_replica_batch_size * self._steps,
-        )
-        # Averages start at 0: their ratio equals that of the bias-corrected
-        # averages (Adam's correction divides both alike), so the first,
-        # noisiest window does not dominate.
-        decay = self.ema_decay
-        self._ema[0] = decay * self._ema[0] + (1 - decay) * gradient_sq_norm
-        self._ema[1] = decay * self._ema[1] + (1 - decay) * trace
-        self._windows += 1
-        self._noise_scale = (
-            self._ema[1] / self._ema[0] if self._ema[0] > 0 else math.inf
-        )
-        warm = self._windows >= 1 / (1 - decay) - 1e-9
-        steps = self._target_steps(self._noise_scale) if warm else self._steps
-        if steps > self._steps:
+        steps = fit.controller.target_accumulation_steps(fit.accumulation_steps)
+        if steps > fit.accumulation_steps:
             previous = self.batch_size
-            self._steps = steps
-            self._accumulator.accumulation_steps = steps
+            fit.accumulation_steps = steps
+            fit.accumulator.accumulation_steps = steps
             message = (
-                f"AutoScaleBatch: noise scale {self._noise_scale:.1f} -> global "
+                f"AutoScaleBatch: noise scale {estimate.noise_scale:.1f} -> global "
                 f"batch {previous} -> {self.batch_size} (accumulation_steps={steps}) "
-                f"after {self._updates} updates."
+                f"after {fit.updates} updates."
             )
             logger.info(message)
             if self.verbose:
                 print(message)
-        self.measurements.append(
+        fit.measurements.append(
             NoiseScaleMeasurement(
-                update=self._updates,
-                samples=self._micro_steps
-                * self.per_replica_batch_size
-                * self._replicas,
-                gradient_sq_norm=gradient_sq_norm,
-                trace_covariance=trace,
-                noise_scale=self._noise_scale,
+                update=fit.updates,
+                samples=fit.micro_steps * self.per_replica_batch_size * fit.replicas,
+                gradient_sq_norm=estimate.gradient_sq_norm,
+                trace_covariance=estimate.trace_covariance,
+                noise_scale=estimate.noise_scale,
                 batch_size=self.batch_size,
             )
         )
 
-    def _target_steps(self, noise_scale):
-        if not math.isfinite(noise_scale):
-            # The smoothed |G|^2 is not positive: the estimate is still all
-            # noise. Wait for more measurements rather than jump.
-            return self._steps
-        unit = self.per_replica_batch_size * self._replicas
-        most = min(
-            self.max_batch_size // unit, math.floor(self._steps * self.max_growth)
-        )
-        return max(self._steps, min(most, math.floor(noise_scale / unit)))
-
     def _resync(self):
         # Once per epoch, realign the Python mirror with the optimizer (a
         # last, shorter `steps_per_execution` call can overcount).
-        optimizer = self.model.optimizer
-        updates = int(optimizer.iterations.numpy())
-        self._updates = updates - self._run.origin_updates
-        self._micro_steps = (
-            _micro_steps(self._accumulator, updates) - self._run.origin_micro_steps
+        fit = self._fit
+        updates = int(self.model.optimizer.iterations.numpy())
+        fit.updates = updates - self._run.origin_updates
+        fit.micro_steps = (
+            _micro_steps(fit.accumulator, updates) - self._run.origin_micro_steps
         )
-        if self._accumulator is not None and self._accumulator.built:
-            self._pending = int(self._accumulator.pending_micro_steps.numpy())
+        if fit.accumulator is not None and fit.accumulator.built:
+            fit.pending_micro_steps = _pending_micro_steps(fit.accumulator)
 
     # --- Data ------------------------------------------------------------------
 
     def _tell_how_to_batch(self, fit_data):
-        fit_batch = self.per_replica_batch_size * self._replicas
+        fit_batch = self.per_replica_batch_size * self._fit.replicas
         if fit_data is not None:
             logger.info(
                 "AutoScaleBatch: DistributedModel batched the %s at %d.",
@@ -755,7 +697,7 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
             "arrays or an unbatched tf.data.Dataset and no `batch_size`.",
             fit_batch,
             self.per_replica_batch_size,
-            self._replicas,
+            self._fit.replicas,
             fit_batch,
             fit_batch,
         )
@@ -764,20 +706,16 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
 # --- Helpers --------------------------------------------------------------------------
 
 
-def _check_positive_int(name, value, minimum=1):
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(
-            f"`{name}` must be an int >= {minimum}. Received: {name}={value!r} "
-            f"(type {type(value).__name__})."
-        )
-    if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}. Received: {name}={value!r}.")
-
-
 def _micro_steps(accumulator, updates):
     if accumulator is not None and accumulator.built:
         return int(accumulator.micro_steps.numpy())
     return updates
+
+
+def _pending_micro_steps(accumulator):
+    if accumulator is not None and accumulator.built:
+        return int(accumulator.pending_micro_steps.numpy())
+    return 0
 
 
 def _find_scaled_schedule(optimizer):
