@@ -414,3 +414,157 @@ def test_launch_runs_a_real_multi_worker_all_reduce(tmp_path, capsys):
     assert status == 0, output
     for index in range(2):
         assert "replicas=2 sum=3.0" in _task_lines(output, f"worker:{index}"), output
+
+
+LAUNCH_TWO = [sys.executable, "-m", "keras_dist", "launch", "--workers=2", "--"]
+
+
+def test_closed_stdout_drops_output_but_the_tasks_run_on(tmp_path):
+    # `keras-dist launch ... | head -1`: the reader goes away after one line.
+    # The tasks print on after that (once `go` exists) and finish; the
+    # launcher reports no failure and no traceback, and exits with their 0.
+    script = _write_script(
+        tmp_path,
+        "chatty.py",
+        """
+        import os, sys, time
+        print("first", flush=True)
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.02)
+        for line in range(5000):
+            print("line", line, flush=True)
+        open(sys.argv[1] + "." + os.environ["KERAS_DIST_TASK"], "w").close()
+        """,
+    )
+    go = str(tmp_path / "go")
+    launcher = subprocess.Popen(
+        [*LAUNCH_TWO, sys.executable, script, go],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert launcher.stdout.readline().endswith("first\n")
+        launcher.stdout.close()
+        pathlib.Path(go).touch()
+        err = launcher.stderr.read()
+        launcher.wait(timeout=PROCESS_TIMEOUT)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+    assert launcher.returncode == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert "failed" not in err, err
+    for index in range(2):
+        assert os.path.exists(f"{go}.worker:{index}")
+
+
+def test_broken_pipe_keeps_the_exit_code_of_a_failing_task(tmp_path):
+    script = _write_script(
+        tmp_path,
+        "fail_late.py",
+        """
+        import os, sys, time
+        print("first", flush=True)
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.02)
+        for line in range(2000):
+            print("line", line, flush=True)
+        sys.exit(5 if os.environ["KERAS_DIST_TASK"] == "worker:1" else 0)
+        """,
+    )
+    go = str(tmp_path / "go")
+    launcher = subprocess.Popen(
+        [*LAUNCH_TWO, sys.executable, script, go],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        launcher.stdout.readline()
+        launcher.stdout.close()
+        pathlib.Path(go).touch()
+        err = launcher.stderr.read()
+        launcher.wait(timeout=PROCESS_TIMEOUT)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+    assert launcher.returncode == 5, err
+    assert "task worker:1 failed with exit code 5" in err
+    assert "Traceback" not in err, err
+
+
+def test_too_few_file_descriptors_is_a_clear_error():
+    # 100 workers need more descriptors than a limit of 64 allows: the
+    # launcher says so instead of raising a raw OSError.
+    def limit_descriptors():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_dist", "launch", "--workers=100", "--", "true"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT,
+        preexec_fn=limit_descriptors,
+    )
+
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert re.search(r"keras-dist: .*file descriptors.*ulimit -n", result.stderr)
+
+
+def test_a_worker_that_finishes_early_is_not_blamed(tmp_path, capsys):
+    # worker:0 exits 0 at once; worker:1 fails later (as a peer whose
+    # collective lost worker:0 would). The report names worker:1 as the
+    # failed task and worker:0 as the one that left early.
+    script = _write_script(
+        tmp_path,
+        "early.py",
+        """
+        import os, sys, time
+        if os.environ["KERAS_DIST_TASK"] == "worker:0":
+            sys.exit(0)
+        time.sleep(1.0)
+        print("peer gone", flush=True)
+        sys.exit(4)
+        """,
+    )
+
+    status = cli.main(["launch", "--workers", "2", "--", sys.executable, script])
+
+    err = capsys.readouterr().err
+    assert status == 4
+    assert "task worker:1 failed with exit code 4 (worker:0 had already exited" in err
+    assert "task worker:0 failed" not in err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"workers": True}, TypeError, r"`workers` must be an int >= 1\. Received"),
+        ({"workers": 0}, ValueError, r"`workers` must be an int >= 1\. Received"),
+        ({"workers": 1, "chief": "no"}, TypeError, r"`chief` must be a bool"),
+        ({"workers": 1, "grace_period": -1}, ValueError, r"`grace_period` must be"),
+        ({"workers": 1, "grace_period": "5"}, TypeError, r"grace_period='5'"),
+    ],
+)
+def test_launch_validates_its_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        cli.launch(["true"], **kwargs)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_grace_period_must_be_finite_on_the_command_line(value, capsys):
+    status = cli.main(["launch", "--workers", "1", "--grace-period", value, "--", "x"])
+
+    assert status == 2
+    assert "must be a finite number >= 0" in capsys.readouterr().err
