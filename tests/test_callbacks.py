@@ -1,5 +1,7 @@
-"""AutoScaleBatch: learning-rate schedule values, the noise-scale estimator,
-adaptive growth, batching by DistributedModel, logs, reuse, errors."""
+"""AutoScaleBatch: learning-rate schedule values, the noise-scale estimator
+on real gradients, adaptive growth, batching by DistributedModel, logs,
+reuse, errors. The noise-scale arithmetic alone (formulas, moving averages,
+target batch) is tested without TensorFlow in tests/test_noise_scale.py."""
 
 import itertools
 import logging
@@ -13,13 +15,9 @@ from conftest import mirrored
 from helpers import compile_model, make_data, max_abs_diff, mlp
 
 import keras_dist
-from keras_dist import _gradient_statistics
+from keras_dist import _gradient_statistics, noise_scale
 from keras_dist._fit_data import prepare_fit_arguments
-from keras_dist.callbacks import (
-    AutoScaleBatch,
-    ScaledLearningRate,
-    estimate_noise,
-)
+from keras_dist.callbacks import AutoScaleBatch, ScaledLearningRate
 
 
 class RecordRate(keras.callbacks.Callback):
@@ -187,19 +185,8 @@ def test_one_instance_serves_several_fits():
     np.testing.assert_allclose(record.rates, [0.1, 0.125, 0.15, 0.175], rtol=1e-6)
 
 
-# --- The noise-scale estimator ---
-
-
-def test_estimate_noise_formulas():
-    # E|G_b|^2 = |G|^2 + tr(Sigma) / b with |G|^2 = 3, tr(Sigma) = 40, b = 4,
-    # R = 2: local 13, reduced 8.
-    gradient_sq_norm, trace = estimate_noise(
-        13.0, 8.0, num_replicas=2, per_replica_batch=4
-    )
-    assert gradient_sq_norm == pytest.approx(3.0)
-    assert trace == pytest.approx(40.0)
-    with pytest.raises(ValueError, match="num_replicas=1"):
-        estimate_noise(1.0, 1.0, num_replicas=1, per_replica_batch=4)
+# --- The noise-scale estimator on real gradients ---
+# (test_estimate_noise_formulas moved to tests/test_noise_scale.py.)
 
 
 def linear_regression(num_examples, features=8, noise_variance=1.0, seed=0):
@@ -305,6 +292,15 @@ def test_adaptive_stops_at_max_batch_size_and_scales_the_rate():
         "learning_rate",
         "noise_scale",
     }
+    # A second fit on the same optimizer: fresh measurements that continue
+    # the update count, the grown batch kept, the rate not scaled twice.
+    first = autoscale.measurements
+    history = model.fit(x, y, epochs=1, shuffle=False, callbacks=[autoscale], verbose=0)
+    second = autoscale.measurements
+    assert second is not first and 0 < len(second) <= 160 // 3 // 5 + 1
+    assert second[0].update > first[-1].update
+    assert history.history["batch_size"] == [96]
+    assert history.history["learning_rate"][0] == pytest.approx(3e-4)
 
 
 # --- Batching ---
@@ -366,6 +362,11 @@ def test_plain_model_is_told_once_how_to_batch(caplog):
 
 def test_public_names():
     assert keras_dist.callbacks.AutoScaleBatch is AutoScaleBatch
+    # Moved to keras_dist.noise_scale; still importable from callbacks.
+    assert keras_dist.callbacks.estimate_noise is noise_scale.estimate_noise
+    assert (
+        keras_dist.callbacks.NoiseScaleMeasurement is noise_scale.NoiseScaleMeasurement
+    )
     assert "callbacks" in keras_dist.__all__
     assert "find_max_batch_size" in keras_dist.__all__
 
@@ -391,12 +392,38 @@ def test_public_names():
         ({"ema_decay": 1.0}, ValueError, "ema_decay=1.0"),
         ({"max_growth": 1}, ValueError, "max_growth=1"),
         ({"adaptive": "yes"}, TypeError, "adaptive='yes'"),
+        ({"warmup_steps": -1}, ValueError, "warmup_steps=-1"),
+        ({"warmup_epochs": "1"}, TypeError, "warmup_epochs='1'"),
+        ({"ema_decay": None}, TypeError, "ema_decay=None"),
+        ({"max_growth": math.inf}, ValueError, "max_growth=inf"),
+        ({"verbose": 2}, ValueError, "verbose=2"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
     kwargs = {"per_replica_batch_size": 8, **kwargs}
     with pytest.raises(error, match=match):
         AutoScaleBatch(**kwargs)
+
+
+def test_numpy_scalars_are_accepted_as_python_numbers():
+    autoscale = AutoScaleBatch(
+        np.int64(8),
+        base_batch_size=np.int32(16),
+        warmup_epochs=np.float32(0.5),
+        adaptive=np.bool_(True),
+        max_batch_size=np.int64(64),
+        adapt_every=np.int16(5),
+        ema_decay=np.float64(0.5),
+        max_growth=np.float32(1.5),
+    )
+    assert type(autoscale.per_replica_batch_size) is int
+    assert autoscale.adaptive is True
+    assert type(autoscale.max_growth) is float
+    assert autoscale.warmup_epochs == 0.5
+    # No fit yet: no state.
+    assert autoscale.batch_size is None
+    assert math.isnan(autoscale.noise_scale)
+    assert autoscale.measurements == []
 
 
 def test_bad_setups_are_reported_when_fit_starts():
