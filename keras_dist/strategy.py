@@ -40,10 +40,14 @@ from collections.abc import Mapping
 import tensorflow as tf
 
 from keras_dist import cluster as cluster_lib
+from keras_dist._validation import check_int
 
 logger = logging.getLogger(__name__)
 
 TPU_ENV_VARS = ("KERAS_DIST_TPU", "TPU_NAME", "COLAB_TPU_ADDR")
+# Logical CPU devices `cpu_replicas` may ask for. Every one costs TensorFlow
+# thread pools and start-up time; thousands take minutes to create.
+MAX_CPU_REPLICAS = 256
 
 _SLURM_STEP_VARS = (
     "SLURM_PROCID",
@@ -101,9 +105,9 @@ def describe_choice(
     Raises:
         ValueError: `TF_CONFIG` is malformed or describes a cluster this
             process cannot join (no `task`, a parameter-server cluster without
-            a chief or worker), a `SLURM_*` count is not an integer,
-            `cpu_replicas` is below 1 or is combined with a multi-process
-            cluster, or `num_gpus` is negative.
+            a chief or worker), a `SLURM_*` count is not an integer >= 1,
+            `cpu_replicas` is outside 1..`MAX_CPU_REPLICAS` (256) or is
+            combined with a multi-process cluster, or `num_gpus` is negative.
         TypeError: `cpu_replicas` or `num_gpus` is not an int.
 
     Example:
@@ -116,16 +120,13 @@ def describe_choice(
     ```
     """
     cpu_replicas = _check_cpu_replicas(cpu_replicas)
-    if num_gpus is not None:
-        if isinstance(num_gpus, bool) or not isinstance(num_gpus, int):
-            raise TypeError(
-                f"`num_gpus` must be an int or `None`. Received: num_gpus={num_gpus!r}."
-            )
-        if num_gpus < 0:
-            raise ValueError(
-                "`num_gpus` must be >= 0, or `None` to ask TensorFlow. "
-                f"Received: num_gpus={num_gpus}."
-            )
+    num_gpus = check_int(
+        "num_gpus",
+        num_gpus,
+        minimum=0,
+        allow_none=True,
+        hint="Use `None` to ask TensorFlow.",
+    )
     env = os.environ if environ is None else environ
     if environ is None:
         tf_config = cluster_lib.parse_tf_config()
@@ -193,7 +194,8 @@ def auto_strategy(cpu_replicas: int | None = None) -> tf.distribute.Strategy:
             a `MirroredStrategy` over them, whatever GPUs or TPUs exist: real
             multi-replica code on one CPU, for development and tests. If
             TensorFlow is already initialised with at least that many logical
-            CPU devices, the first `cpu_replicas` are used. Defaults to `None`.
+            CPU devices, the first `cpu_replicas` are used. At most
+            `MAX_CPU_REPLICAS` (256). Defaults to `None`.
 
     Returns:
         A `tf.distribute.Strategy`.
@@ -221,6 +223,7 @@ def auto_strategy(cpu_replicas: int | None = None) -> tf.distribute.Strategy:
     model.fit(dataset)
     ```
     """
+    cpu_replicas = _check_cpu_replicas(cpu_replicas)
     choice = describe_choice(cpu_replicas=cpu_replicas)
     logger.info("auto_strategy chose %s: %s.", choice.name, choice.reason)
     if cpu_replicas is not None:
@@ -319,16 +322,21 @@ def _require_task(task, spec) -> None:
 
 
 def _env_int(env, name):
+    """Returns the task count in variable `name`, or `None` when unset."""
     text = env.get(name, "").strip()
     if not text:
         return None
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
+        value = None
+    if value is None or value < 1:
         raise ValueError(
-            f"The environment variable {name} must be an integer. "
-            f"Received: {name}={text!r}. Unset it or fix the job script."
-        ) from None
+            f"The environment variable {name} must be an integer >= 1 (a "
+            f"number of SLURM tasks). Received: {name}={text!r}. Unset it or "
+            "fix the job script."
+        )
+    return value
 
 
 def _tpu_target(env):
@@ -343,19 +351,14 @@ def _tpu_target(env):
 
 
 def _check_cpu_replicas(cpu_replicas):
-    if cpu_replicas is None:
-        return None
-    if isinstance(cpu_replicas, bool) or not isinstance(cpu_replicas, int):
-        raise TypeError(
-            "`cpu_replicas` must be an int or `None`. "
-            f"Received: cpu_replicas={cpu_replicas!r}."
-        )
-    if cpu_replicas < 1:
-        raise ValueError(
-            "`cpu_replicas` must be >= 1 (the number of logical CPU devices to "
-            f"mirror over). Received: cpu_replicas={cpu_replicas}."
-        )
-    return cpu_replicas
+    return check_int(
+        "cpu_replicas",
+        cpu_replicas,
+        minimum=1,
+        maximum=MAX_CPU_REPLICAS,
+        allow_none=True,
+        hint="It is the number of logical CPU devices to mirror over.",
+    )
 
 
 def _cpu_mirrored(cpu_replicas: int) -> tf.distribute.Strategy:
@@ -437,7 +440,7 @@ def _slurm_resolver(env):
     # SlurmClusterResolver counts GPUs with nvidia-smi and gives each task a
     # port per GPU slot, so on CPU nodes it fails or finds no task at all.
     # One slot per task, with CUDA_VISIBLE_DEVICES left alone, fixes that.
-    num_tasks = int(env["SLURM_STEP_NUM_TASKS"])
+    num_tasks = _env_int(env, "SLURM_STEP_NUM_TASKS")
     return resolver_lib.SlurmClusterResolver(
         gpus_per_node=num_tasks, gpus_per_task=1, auto_set_gpu=False
     )

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -217,6 +218,16 @@ def test_slurm_count_must_be_integer(nothing_is_built):
         choose({"SLURM_NTASKS": "two"})
 
 
+@pytest.mark.parametrize("variable", ["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"])
+@pytest.mark.parametrize("value", ["-3", "0"])
+def test_slurm_count_must_be_positive(nothing_is_built, variable, value):
+    # A negative count used to be taken as "one task".
+    with pytest.raises(
+        ValueError, match=rf"{variable} must be an integer >= 1 .*{variable}='{value}'"
+    ):
+        choose({variable: value})
+
+
 @pytest.mark.parametrize(
     ("variable", "value"),
     [
@@ -265,8 +276,28 @@ def test_cpu_replicas_refuse_multi_process_jobs(nothing_is_built, environ):
 
 @pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-2, ValueError)])
 def test_cpu_replicas_must_be_positive(value, error):
-    with pytest.raises(error, match=r"`cpu_replicas` must be >= 1"):
+    with pytest.raises(
+        error,
+        match=r"`cpu_replicas` must be an int >= 1 and <= 256 or None\. .*"
+        r"number of logical CPU devices to mirror over",
+    ):
         choose({}, cpu_replicas=value)
+
+
+def test_cpu_replicas_are_bounded():
+    # 20000 logical devices used to take minutes to create.
+    with pytest.raises(
+        ValueError,
+        match=r"`cpu_replicas` must be an int >= 1 and <= 256 or None\. "
+        r"Received: cpu_replicas=20000",
+    ):
+        strategy.auto_strategy(cpu_replicas=20000)
+    assert strategy.MAX_CPU_REPLICAS == 256
+
+
+def test_cpu_replicas_accept_numpy_ints(nothing_is_built):
+    choice = choose({}, cpu_replicas=np.int64(3))
+    assert "cpu_replicas=3" in choice.reason
 
 
 @pytest.mark.parametrize("value", [2.0, "2", True])
@@ -276,7 +307,7 @@ def test_cpu_replicas_must_be_int(value):
 
 
 def test_num_gpus_is_validated():
-    with pytest.raises(ValueError, match=r"`num_gpus` must be >= 0"):
+    with pytest.raises(ValueError, match=r"`num_gpus` must be an int >= 0 or None"):
         strategy.describe_choice({}, num_gpus=-1)
     with pytest.raises(TypeError, match=r"`num_gpus` must be an int"):
         strategy.describe_choice({}, num_gpus="2")
