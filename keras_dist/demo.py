@@ -394,7 +394,11 @@ def _plot(results, path) -> bool:
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.5))
     panels = [
         ("test accuracy", ".3f", [r.test_accuracy for r in results]),
-        ("samples / s", ",.0f", [r.samples_per_second for r in results]),
+        (
+            "samples / s (replicas share the CPU cores)",
+            ",.0f",
+            [r.samples_per_second for r in results],
+        ),
         (
             "KiB sent per step per replica",
             ",.1f",
