@@ -160,7 +160,7 @@ class NoiseScaleController:
         num_replicas=2, per_replica_batch_size=16, max_batch_size=1024
     )
     steps = 1
-    for local_sum, reduced_sum, count in windows:  # sums over each window
+    for local_sum, reduced_sum, count in sums_per_window:
         controller.update(local_sum, reduced_sum, count, accumulation_steps=steps)
         steps = controller.target_accumulation_steps(steps)
     ```
