@@ -496,12 +496,37 @@ def test_stats_of_known_ratios():
 # --- Bad input ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ratio", [0, 0.0, -0.5, 1.5, True, "0.1", None])
+@pytest.mark.parametrize("ratio", [0, 0.0, -0.5, 1.5, float("nan"), float("inf")])
 def test_topk_rejects_bad_ratio(ratio):
     with pytest.raises(
-        ValueError, match=r"`ratio` must be a number in \(0, 1\].*Received: ratio="
+        ValueError,
+        match=r"`ratio` must be a finite number > 0 and <= 1\. Received: ratio=.*"
+        r"fraction of each gradient's entries to send\. Try `ratio=0\.01`",
     ):
         TopK(ratio=ratio)
+
+
+@pytest.mark.parametrize("ratio", [True, "0.1", None])
+def test_topk_rejects_non_number_ratio(ratio):
+    with pytest.raises(
+        TypeError, match=r"`ratio` must be a finite number > 0 and <= 1\. Received"
+    ):
+        TopK(ratio=ratio)
+
+
+def test_hooks_accept_numpy_scalars():
+    top_k = TopK(ratio=np.float32(0.01), error_feedback=np.bool_(False))
+    assert type(top_k.ratio) is float and top_k.ratio == pytest.approx(0.01)
+    assert top_k.error_feedback is False
+    power = PowerSGD(
+        rank=np.int64(2),
+        start_step=np.int32(0),
+        min_compression_rate=np.float64(1.5),
+        seed=np.int64(7),
+    )
+    assert (power.rank, power.start_step, power.seed) == (2, 0, 7)
+    assert type(power.rank) is int and type(power.seed) is int
+    assert power.get_config()["min_compression_rate"] == 1.5
 
 
 @pytest.mark.parametrize(
@@ -509,13 +534,13 @@ def test_topk_rejects_bad_ratio(ratio):
     [
         ({"rank": 0}, "rank"),
         ({"rank": -1}, "rank"),
-        ({"rank": 1.5}, "rank"),
-        ({"rank": True}, "rank"),
         ({"start_step": -1}, "start_step"),
-        ({"start_step": 0.5}, "start_step"),
         ({"min_compression_rate": 0.5}, "min_compression_rate"),
         ({"min_compression_rate": 0}, "min_compression_rate"),
-        ({"min_compression_rate": "2"}, "min_compression_rate"),
+        ({"min_compression_rate": float("inf")}, "min_compression_rate"),
+        ({"min_compression_rate": float("nan")}, "min_compression_rate"),
+        ({"seed": 2**70}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_powersgd_rejects_bad_arguments(kwargs, argument):
@@ -525,6 +550,25 @@ def test_powersgd_rejects_bad_arguments(kwargs, argument):
         PowerSGD(**kwargs)
 
 
+def test_powersgd_messages_keep_their_hints():
+    with pytest.raises(ValueError, match=r"`rank` must be an int >= 1\..*`rank=2`"):
+        PowerSGD(rank=0)
+    with pytest.raises(ValueError, match=r"`start_step=0` to compress from the first"):
+        PowerSGD(start_step=-1)
+    # An infinite rate compressed nothing, silently.
+    with pytest.raises(
+        ValueError,
+        match=r"`min_compression_rate` must be a finite number >= 1\. .*Use `1`",
+    ):
+        PowerSGD(min_compression_rate=float("inf"))
+    # A seed beyond int64 used to fail only in `build`, converting it.
+    with pytest.raises(
+        ValueError, match=r"`seed` must be an int >= -9223372036854775808"
+    ):
+        PowerSGD(seed=2**70)
+    assert PowerSGD(seed=2**63 - 1).seed == 2**63 - 1
+
+
 @pytest.mark.parametrize(
     "factory, argument",
     [
@@ -532,6 +576,10 @@ def test_powersgd_rejects_bad_arguments(kwargs, argument):
         (lambda: PowerSGD(error_feedback=1), "error_feedback"),
         (lambda: PowerSGD(warm_start=None), "warm_start"),
         (lambda: PowerSGD(seed=1.5), "seed"),
+        (lambda: PowerSGD(rank=1.5), "rank"),
+        (lambda: PowerSGD(rank=True), "rank"),
+        (lambda: PowerSGD(start_step=0.5), "start_step"),
+        (lambda: PowerSGD(min_compression_rate="2"), "min_compression_rate"),
     ],
 )
 def test_type_errors_name_the_argument(factory, argument):

@@ -7,6 +7,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from keras_dist._validation import check_bool, check_int, check_real
 from keras_dist.compression.base import (
     AllReduceHook,
     CompressionStats,
@@ -106,14 +107,14 @@ class PowerSGD(AllReduceHook):
             updates) that use a plain all-reduce. Defaults to `1000`, as
             PyTorch; set it to about 10% of training, or `0` to compress
             from the first step.
-        min_compression_rate: Float >= 1. Compress a matrix only when its
+        min_compression_rate: Finite float >= 1. Compress a matrix only when its
             factors are this many times smaller than it. Defaults to `2.0`.
         error_feedback: Bool. Keep the unsent part of each gradient and add
             it to the next one. Defaults to `True`.
         warm_start: Bool. Start each step's power iteration from the
             previous step's `Q`. Defaults to `True`.
-        seed: Int. Seed of the random initial `Q`; must be the same on every
-            worker. Defaults to `0`.
+        seed: Int in the int64 range. Seed of the random initial `Q`; must be
+            the same on every worker. Defaults to `0`.
 
     Example:
 
@@ -140,44 +141,37 @@ class PowerSGD(AllReduceHook):
         seed=0,
     ):
         super().__init__()
-        if not _is_int(rank) or rank < 1:
-            raise ValueError(
-                "`rank` must be an integer >= 1, the rank of the gradient "
-                f"approximation. Received: rank={rank!r}. Try `rank=2`."
-            )
-        if not _is_int(start_step) or start_step < 0:
-            raise ValueError(
-                "`start_step` must be an integer >= 0, the number of plain "
-                f"all-reduce steps before compression. Received: "
-                f"start_step={start_step!r}. Use `start_step=0` to compress "
-                "from the first step."
-            )
-        if (
-            isinstance(min_compression_rate, bool)
-            or not isinstance(min_compression_rate, (int, float))
-            or not min_compression_rate >= 1
-        ):
-            raise ValueError(
-                "`min_compression_rate` must be a number >= 1 (a matrix is "
-                "compressed only when its factors are this many times "
-                "smaller). Received: "
-                f"min_compression_rate={min_compression_rate!r}. Use `1` to "
-                "compress every matrix that shrinks at all."
-            )
-        for name, value in (
-            ("error_feedback", error_feedback),
-            ("warm_start", warm_start),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"`{name}` must be a bool. Received: {name}={value!r}.")
-        if not _is_int(seed):
-            raise TypeError(f"`seed` must be an integer. Received: seed={seed!r}.")
-        self.rank = int(rank)
-        self.start_step = int(start_step)
-        self.min_compression_rate = float(min_compression_rate)
-        self.error_feedback = error_feedback
-        self.warm_start = warm_start
-        self.seed = int(seed)
+        self.rank = check_int(
+            "rank",
+            rank,
+            minimum=1,
+            hint="It is the rank of the gradient approximation. Try `rank=2`.",
+        )
+        self.start_step = check_int(
+            "start_step",
+            start_step,
+            minimum=0,
+            hint="It is the number of plain all-reduce steps before "
+            "compression. Use `start_step=0` to compress from the first step.",
+        )
+        self.min_compression_rate = check_real(
+            "min_compression_rate",
+            min_compression_rate,
+            minimum=1,
+            hint="A matrix is compressed only when its factors are this many "
+            "times smaller. Use `1` to compress every matrix that shrinks at "
+            "all.",
+        )
+        self.error_feedback = check_bool("error_feedback", error_feedback)
+        self.warm_start = check_bool("warm_start", warm_start)
+        # The seed becomes an int64 tensor; a wider one fails only in `build`.
+        self.seed = check_int(
+            "seed",
+            seed,
+            minimum=-(2**63),
+            maximum=2**63 - 1,
+            hint="It must fit in an int64.",
+        )
         self._book.plans = {}
 
     # --- Planning --------------------------------------------------------------
@@ -406,7 +400,3 @@ def _q_name(index) -> str:
 
 def _error_name(index) -> str:
     return f"error_{index}"
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

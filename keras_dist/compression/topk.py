@@ -7,6 +7,7 @@ import math
 import keras
 import tensorflow as tf
 
+from keras_dist._validation import check_bool, check_real
 from keras_dist.compression.base import (
     AllReduceHook,
     all_reduce_sum,
@@ -67,23 +68,16 @@ class TopK(AllReduceHook):
 
     def __init__(self, ratio=0.01, error_feedback=True):
         super().__init__()
-        if (
-            isinstance(ratio, bool)
-            or not isinstance(ratio, (int, float))
-            or not 0.0 < ratio <= 1.0
-        ):
-            raise ValueError(
-                f"`ratio` must be a number in (0, 1], the fraction of each "
-                f"gradient's entries to send. Received: ratio={ratio!r}. Try "
-                "`ratio=0.01`."
-            )
-        if not isinstance(error_feedback, bool):
-            raise TypeError(
-                "`error_feedback` must be a bool. Received: "
-                f"error_feedback={error_feedback!r}."
-            )
-        self.ratio = float(ratio)
-        self.error_feedback = error_feedback
+        self.ratio = check_real(
+            "ratio",
+            ratio,
+            minimum=0,
+            maximum=1,
+            low_open=True,
+            hint="It is the fraction of each gradient's entries to send. Try "
+            "`ratio=0.01`.",
+        )
+        self.error_feedback = check_bool("error_feedback", error_feedback)
         self._book.residual_names = {}
 
     def build(self, variables) -> None:
