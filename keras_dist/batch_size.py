@@ -5,12 +5,12 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import numbers
 
 import keras
 import tensorflow as tf
 
 from keras_dist import _aggregation, _compat
+from keras_dist._validation import check_int, check_real
 from keras_dist.optimizers import find_accumulator
 
 logger = logging.getLogger(__name__)
@@ -78,9 +78,9 @@ def find_max_batch_size(
         Int. The per-replica batch size to use.
 
     Raises:
-        TypeError: `model` is not a Keras model, or a callable argument is not
-            callable.
-        ValueError: bad sizes, margin or steps.
+        TypeError: `model` is not a Keras model, a callable argument is not
+            callable, or a size, the margin or `steps` is not a number.
+        ValueError: sizes, margin or steps out of range.
         RuntimeError: the model is not compiled, or even `initial_batch_size`
             does not fit.
 
@@ -114,26 +114,24 @@ def find_max_batch_size(
             "`train_step_fn` must be a callable `batch -> None` or None. "
             f"Received: train_step_fn={train_step_fn!r}."
         )
-    _check_int("initial_batch_size", initial_batch_size)
-    _check_int("max_batch_size", max_batch_size)
+    initial_batch_size = check_int("initial_batch_size", initial_batch_size, minimum=1)
+    max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1)
     if max_batch_size < initial_batch_size:
         raise ValueError(
             "`max_batch_size` must be >= `initial_batch_size`. Received: "
             f"max_batch_size={max_batch_size!r}, "
             f"initial_batch_size={initial_batch_size!r}."
         )
-    if (
-        not isinstance(safety_margin, numbers.Real)
-        or isinstance(safety_margin, bool)
-        or not 0 <= safety_margin < 1
-    ):
-        raise ValueError(
-            "`safety_margin` must be a number in [0, 1), the fraction of the "
-            f"largest working batch to give up. Received: safety_margin="
-            f"{safety_margin!r}. Use e.g. 0.1 for 10%."
-        )
-    if steps is not None:
-        _check_int("steps", steps)
+    safety_margin = check_real(
+        "safety_margin",
+        safety_margin,
+        minimum=0,
+        maximum=1,
+        high_open=True,
+        hint="It is the fraction of the largest working batch to give up. Use "
+        "e.g. 0.1 for 10%.",
+    )
+    steps = check_int("steps", steps, minimum=1, allow_none=True)
     if getattr(model, "optimizer", None) is None:
         raise RuntimeError(
             "`find_max_batch_size` runs training steps: compile the model "
@@ -266,13 +264,3 @@ def _all_workers_ok(strategy, ok):
     per_replica = strategy.run(lambda: tf.identity(failed))
     total = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
     return float(total) == 0.0
-
-
-def _check_int(name, value):
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(
-            f"`{name}` must be an int >= 1. Received: {name}={value!r} "
-            f"(type {type(value).__name__})."
-        )
-    if value < 1:
-        raise ValueError(f"`{name}` must be >= 1. Received: {name}={value!r}.")

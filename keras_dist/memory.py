@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import numbers
 import os
 from collections.abc import Sequence
 
 import tensorflow as tf
+
+from keras_dist._validation import check_choice, check_real
 
 logger = logging.getLogger(__name__)
 
@@ -270,25 +271,21 @@ def _cap_memory(device, memory_limit_mb: int) -> None:
 
 
 def _check_memory_limit(memory_limit_mb):
-    if memory_limit_mb is None:
-        return None
-    if isinstance(memory_limit_mb, bool) or not isinstance(
-        memory_limit_mb, numbers.Real
-    ):
-        raise TypeError(
-            "`memory_limit_mb` must be a number of megabytes or `None`. "
-            f"Received: memory_limit_mb={memory_limit_mb!r}."
-        )
-    if (
-        not math.isfinite(memory_limit_mb)
-        or memory_limit_mb <= 0
-        or memory_limit_mb != int(memory_limit_mb)
-    ):
+    hint = "Give a whole number of megabytes, e.g. `8192`."
+    value = check_real(
+        "memory_limit_mb",
+        memory_limit_mb,
+        minimum=0,
+        low_open=True,
+        allow_none=True,
+        hint=hint,
+    )
+    if value is not None and value != int(value):
         raise ValueError(
-            "`memory_limit_mb` must be a whole number of megabytes > 0, e.g. "
-            f"`8192`. Received: memory_limit_mb={memory_limit_mb!r}."
+            "`memory_limit_mb` must be a whole number of megabytes > 0. "
+            f"Received: memory_limit_mb={memory_limit_mb!r}. {hint}"
         )
-    return int(memory_limit_mb)
+    return None if value is None else int(value)
 
 
 def _check_allocator(allocator) -> None:
@@ -299,11 +296,9 @@ def _check_allocator(allocator) -> None:
             "`allocator` must be a string or `None`. "
             f"Received: allocator={allocator!r}."
         )
-    if allocator not in ALLOCATORS:
-        raise ValueError(
-            f"`allocator` must be one of {', '.join(map(repr, ALLOCATORS))} or "
-            f"`None`. Received: allocator={allocator!r}."
-        )
+    check_choice(
+        "allocator", allocator, ALLOCATORS, hint="Or `None` for TensorFlow's default."
+    )
 
 
 def _check_gpus(gpus):

@@ -94,6 +94,22 @@ def test_search_stops_at_max_batch_size_and_margin_zero():
     assert result == 20
 
 
+def test_numpy_sizes_and_margin_are_accepted():
+    model = compile_model(mlp(), keras.optimizers.SGD(0.1))
+    step = OutOfMemoryAbove(model, threshold=10**9, replicas=1)
+    result = keras_dist.find_max_batch_size(
+        model,
+        sample_batch,
+        train_step_fn=step,
+        initial_batch_size=np.int64(3),
+        max_batch_size=np.int32(20),
+        safety_margin=np.float32(0.0),
+        steps=np.int64(1),
+    )
+    assert step.tried == [3, 6, 12, 20]
+    assert result == 20 and type(result) is int
+
+
 def test_default_step_trains_with_fit_and_leaves_no_trace():
     # The real step (fit on the model's strategy) with Adam and accumulation:
     # weights, Adam moments, iterations and accumulators come back as they were.
@@ -152,6 +168,13 @@ def test_nothing_fits_is_a_clear_error():
         ({"safety_margin": 1.0}, ValueError, "safety_margin=1.0"),
         ({"safety_margin": -0.1}, ValueError, "safety_margin=-0.1"),
         ({"steps": 0}, ValueError, "steps=0"),
+        ({"steps": True}, TypeError, r"`steps` must be an int >= 1 or None"),
+        (
+            {"safety_margin": float("nan")},
+            ValueError,
+            r"`safety_margin` must be a finite number >= 0 and < 1\. .* 0\.1 for 10%",
+        ),
+        ({"safety_margin": "0.1"}, TypeError, "safety_margin='0.1'"),
         ({"train_step_fn": "fit"}, TypeError, "train_step_fn='fit'"),
     ],
 )

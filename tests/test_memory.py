@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -146,7 +147,9 @@ def test_different_second_call_raises():
 
 @pytest.mark.parametrize("limit", ["1024", [1024], object()])
 def test_memory_limit_must_be_a_number(limit):
-    with pytest.raises(TypeError, match=r"`memory_limit_mb` must be a number"):
+    with pytest.raises(
+        TypeError, match=r"`memory_limit_mb` must be a finite number > 0 or None\."
+    ):
         memory.init_memory_growth(memory_limit_mb=limit)
 
 
@@ -155,14 +158,33 @@ def test_memory_limit_rejects_bool():
         memory.init_memory_growth(memory_limit_mb=True)
 
 
-@pytest.mark.parametrize("limit", [0, -512, 0.5, 1024.5, float("nan"), float("inf")])
-def test_memory_limit_must_be_positive_whole_megabytes(limit):
-    with pytest.raises(ValueError, match=r"`memory_limit_mb` must be a whole number"):
+@pytest.mark.parametrize("limit", [0, -512, float("nan"), float("inf")])
+def test_memory_limit_must_be_positive_and_finite(limit):
+    with pytest.raises(
+        ValueError,
+        match=r"`memory_limit_mb` must be a finite number > 0 or None\. .*"
+        r"whole number of megabytes, e\.g\. `8192`",
+    ):
         memory.init_memory_growth(memory_limit_mb=limit)
 
 
+@pytest.mark.parametrize("limit", [0.5, 1024.5])
+def test_memory_limit_must_be_whole_megabytes(limit):
+    with pytest.raises(
+        ValueError, match=r"`memory_limit_mb` must be a whole number.*`8192`"
+    ):
+        memory.init_memory_growth(memory_limit_mb=limit)
+
+
+def test_memory_limit_accepts_numpy_numbers():
+    assert memory._check_memory_limit(np.int64(2048)) == 2048
+    assert memory._check_memory_limit(np.float32(1024.0)) == 1024
+
+
 def test_unknown_allocator():
-    with pytest.raises(ValueError, match=r"`allocator` must be one of 'bfc', 'cuda_"):
+    with pytest.raises(
+        ValueError, match=r"`allocator` must be one of \['bfc', 'cuda_malloc_async'\]"
+    ):
         memory.init_memory_growth(allocator="cuda_malloc")
 
 
