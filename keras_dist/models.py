@@ -302,6 +302,17 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
 
     def _check_strategy(self):
         strategy = self.distribute_strategy
+        if self.jit_compile and strategy.num_replicas_in_sync > 1:
+            # Stock Keras fails here too, later and opaquely (XLA cannot
+            # compile the cross-replica step: "Graph execution error").
+            raise ValueError(
+                "`jit_compile=True` does not work with more than one replica: "
+                "XLA cannot compile the cross-replica all-reduce of "
+                f"{type(strategy).__name__} (stock Keras fails the same way). "
+                f"Received: jit_compile=True with {strategy.num_replicas_in_sync} "
+                'replicas. Compile with `jit_compile=False` (or `"auto"`, '
+                "which Keras turns off under a strategy)."
+            )
         if isinstance(strategy, _UNSUPPORTED_STRATEGIES):
             raise TypeError(
                 "DistributedModel.fit/evaluate do not support "
@@ -516,6 +527,15 @@ class DistributedModel(DistributedTrainerMixin, keras.Model):
             # for a direct subclass of keras.Model.
             cls = _functional_class(cls)
         return super().__new__(cls)
+
+    def __init__(self, *args, all_reduce_hook=None, **kwargs):
+        if _is_functional_call(args, kwargs) and not isinstance(
+            self, _compat.Functional
+        ):
+            # A subclass whose own `__init__` passes inputs and outputs up
+            # (`super().__init__(inputs=..., outputs=...)`): same as above.
+            _functional_class(type(self))
+        super().__init__(*args, all_reduce_hook=all_reduce_hook, **kwargs)
 
     @classmethod
     def from_model(cls, model: keras.Model, all_reduce_hook=None, name=None):

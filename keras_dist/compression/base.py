@@ -344,7 +344,7 @@ class AllReduceHook(tf.Module):
             )
         return index
 
-    def prepare(self, gradients, variables) -> tuple[list, list]:
+    def prepare(self, gradients, variables, keep_sparse=False) -> tuple[list, list]:
         """Checks the arguments of `reduce`; returns dense gradients and indices.
 
         Call it at the start of `reduce`, before any collective: a bad
@@ -352,13 +352,18 @@ class AllReduceHook(tf.Module):
         which variables this reduction covers, for `stats`.
 
         Args:
-            gradients: List of gradient tensors (`tf.IndexedSlices` are
-                densified).
+            gradients: List of gradient tensors.
             variables: List of the matching variables given to `build`.
+            keep_sparse: Bool. Return `tf.IndexedSlices` (the gradients of
+                embeddings and other gathers) as they are, checked, instead
+                of densifying them. Only a hook that reduces sparse
+                gradients itself sets it (`NoCompression`); compressing
+                hooks work on dense tensors. Defaults to `False`.
 
         Returns:
-            A tuple `(gradients, indices)` of the gradients as dense tensors
-            and each one's index into `variable_specs`.
+            A tuple `(gradients, indices)` of the gradients (dense tensors,
+            or `tf.IndexedSlices` with `keep_sparse`) and each one's index
+            into `variable_specs`.
 
         Raises:
             RuntimeError: the hook is not built.
@@ -379,40 +384,27 @@ class AllReduceHook(tf.Module):
                 f"Received: {len(gradients)} gradients for {len(variables)} "
                 "variables."
             )
-        dense = []
+        prepared = []
         indices = []
         for position, (gradient, variable) in enumerate(zip(gradients, variables)):
             index = self.variable_index(variable)
             spec = self.variable_specs[index]
+            sparse = keep_sparse and isinstance(gradient, tf.IndexedSlices)
+            if sparse:
+                _check_gradient(position, gradient.values, spec, rows=True)
+                prepared.append(gradient)
+                indices.append(index)
+                continue
             gradient = tf.convert_to_tensor(gradient)
-            if gradient.dtype not in SUPPORTED_DTYPES:
-                raise ValueError(
-                    "`gradients` must have one of the dtypes "
-                    f"{[d.name for d in SUPPORTED_DTYPES]}. Received: "
-                    f"gradients[{position}] of dtype {gradient.dtype.name!r} for "
-                    f"variable {spec.name!r}. Cast the gradient before the hook."
-                )
-            if gradient.dtype != spec.dtype:
-                raise ValueError(
-                    f"`gradients[{position}]` must have the dtype of its variable "
-                    f"{spec.name!r}, {spec.dtype.name}. Received: dtype "
-                    f"{gradient.dtype.name}. Cast the gradient to the "
-                    "variable's dtype."
-                )
-            if not gradient.shape.is_compatible_with(spec.shape):
-                raise ValueError(
-                    f"`gradients[{position}]` must have the shape of its variable "
-                    f"{spec.name!r}, {spec.shape}. Received: shape "
-                    f"{tuple(gradient.shape)}."
-                )
+            _check_gradient(position, gradient, spec)
             if not gradient.shape.is_fully_defined():
                 # A densified `tf.IndexedSlices` (embeddings) can lose its
                 # static shape; the hooks plan with static shapes.
                 gradient = tf.reshape(gradient, spec.shape)
-            dense.append(gradient)
+            prepared.append(gradient)
             indices.append(index)
         self._book.reduced = tuple(indices)
-        return dense, indices
+        return prepared, indices
 
     def reduce(self, gradients, variables):
         """Returns the sum over replicas of `gradients`.
@@ -493,7 +485,11 @@ class NoCompression(AllReduceHook):
 
     The gradients go through one `all_reduce("sum")` per dtype at their own
     precision: exactly what stock Keras does, but owned by keras_dist so it
-    happens once, before clipping.
+    happens once, before clipping. Sparse gradients (`tf.IndexedSlices`,
+    from `Embedding` and other gathers) stay sparse, as in stock Keras: their
+    rows and indices are all-gathered and the optimizer applies a sparse
+    update. The compressing hooks densify them (they compress dense
+    tensors); for a large vocabulary keep this hook.
 
     Example:
 
@@ -505,8 +501,59 @@ class NoCompression(AllReduceHook):
     """
 
     def reduce(self, gradients, variables):
-        gradients, _ = self.prepare(gradients, variables)
-        return all_reduce_sum(gradients)
+        gradients, _ = self.prepare(gradients, variables, keep_sparse=True)
+        sparse = [i for i, g in enumerate(gradients) if _is_sparse(g)]
+        if not sparse:
+            return all_reduce_sum(gradients)
+        # Sparse gradients (embeddings, gathers) stay `tf.IndexedSlices`, as
+        # in stock Keras: the strategy all-gathers their rows and indices
+        # instead of summing a dense vocabulary-sized tensor, and the
+        # optimizer applies them as sparse updates.
+        dense = [i for i in range(len(gradients)) if i not in sparse]
+        result = [None] * len(gradients)
+        for i, value in zip(dense, all_reduce_sum([gradients[i] for i in dense])):
+            result[i] = value
+        ctx = replica_context()
+        for i in sparse:
+            if ctx.num_replicas_in_sync == 1:
+                result[i] = gradients[i]
+            else:
+                result[i] = ctx.all_reduce(tf.distribute.ReduceOp.SUM, gradients[i])
+        return result
+
+
+def _is_sparse(gradient) -> bool:
+    return isinstance(gradient, tf.IndexedSlices)
+
+
+def _check_gradient(position, gradient, spec, rows=False) -> None:
+    """Raises ValueError if `gradient` does not fit the variable of `spec`.
+
+    With `rows`, `gradient` holds rows of the variable (the values of a
+    `tf.IndexedSlices`): its shape after the first axis must match.
+    """
+    if gradient.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            "`gradients` must have one of the dtypes "
+            f"{[d.name for d in SUPPORTED_DTYPES]}. Received: "
+            f"gradients[{position}] of dtype {gradient.dtype.name!r} for "
+            f"variable {spec.name!r}. Cast the gradient before the hook."
+        )
+    if gradient.dtype != spec.dtype:
+        raise ValueError(
+            f"`gradients[{position}]` must have the dtype of its variable "
+            f"{spec.name!r}, {spec.dtype.name}. Received: dtype "
+            f"{gradient.dtype.name}. Cast the gradient to the "
+            "variable's dtype."
+        )
+    shape = gradient.shape[1:] if rows else gradient.shape
+    expected = spec.shape[1:] if rows else spec.shape
+    if not shape.is_compatible_with(expected):
+        raise ValueError(
+            f"`gradients[{position}]` must have the shape of its variable "
+            f"{spec.name!r}, {spec.shape}. Received: shape "
+            f"{tuple(gradient.shape)}{' (rows of a sparse gradient)' if rows else ''}."
+        )
 
 
 def replica_context() -> tf.distribute.ReplicaContext:
