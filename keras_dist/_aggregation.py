@@ -67,7 +67,9 @@ def build_hook(hook: AllReduceHook, variables, strategy) -> None:
             hook.build(variables)
 
 
-def reduce_and_apply(optimizer, gradients, variables, hook: AllReduceHook):
+def reduce_and_apply(
+    optimizer, gradients, variables, hook: AllReduceHook, batch_size=None
+):
     """Sums `gradients` over replicas through `hook`, then applies them once.
 
     Must run in replica context (inside `strategy.run`, or anywhere under the
@@ -79,6 +81,12 @@ def reduce_and_apply(optimizer, gradients, variables, hook: AllReduceHook):
         gradients: List of this replica's gradients.
         variables: List of the matching trainable variables.
         hook: The `AllReduceHook` that sums the gradients.
+        batch_size: Int, scalar tensor or `None`. The number of examples
+            this replica's gradients come from. When the replicas' batches
+            can differ (a dynamic batch dimension: the last batch of an
+            epoch), each replica's gradient is weighted by its share of the
+            global batch (see `weight_by_batch_share`). `None`: the batches
+            are taken as equal.
 
     Returns:
         The list of summed gradients that were applied.
@@ -102,6 +110,8 @@ def reduce_and_apply(optimizer, gradients, variables, hook: AllReduceHook):
         return []
     grads = [g for g, _ in pairs]
     trainable = [v for _, v in pairs]
+    if batch_size is not None and not isinstance(batch_size, int):
+        grads = weight_by_batch_share(grads, batch_size)
     reduced = hook.reduce(grads, trainable)
     if len(reduced) != len(grads):
         raise ValueError(
@@ -115,3 +125,45 @@ def reduce_and_apply(optimizer, gradients, variables, hook: AllReduceHook):
     with _compat.optimizer_all_reduce_disabled(optimizer):
         optimizer.apply(reduced, trainable)
     return reduced
+
+
+def weight_by_batch_share(gradients, batch_size):
+    """Weights this replica's gradients by its share of the global batch.
+
+    Keras scales each replica's mean loss by `1 / R`, so the summed gradient
+    is the mean of the replicas' means: right when the replicas' batches are
+    equal, wrong otherwise (a global batch of 3 on 2 replicas is split 2 + 1,
+    and the lone example would weigh as much as the other two). Multiplying
+    replica `i`'s gradient by `R * n_i / N` (`n_i` its examples, `N` their
+    sum over replicas) makes the sum the gradient of the global-batch mean,
+    as on one device. It costs one all-reduced scalar per step; callers skip
+    it when the batch size is static (the replicas' batches are equal).
+    A replica with no examples contributes zero.
+
+    Args:
+        gradients: List of this replica's gradients (dense or
+            `tf.IndexedSlices`).
+        batch_size: Scalar tensor, this replica's number of examples.
+
+    Returns:
+        The weighted gradients, in order.
+    """
+    ctx = tf.distribute.get_replica_context()
+    replicas = ctx.num_replicas_in_sync
+    if replicas == 1:
+        return list(gradients)
+    local = tf.cast(batch_size, tf.float32)
+    total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, local)
+    weight = tf.math.divide_no_nan(local * float(replicas), total)
+    return [_scale(gradient, weight) for gradient in gradients]
+
+
+def _scale(gradient, weight):
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            _scale(gradient.values, weight), gradient.indices, gradient.dense_shape
+        )
+    gradient = tf.convert_to_tensor(gradient)
+    # `where`, not a product alone: an empty replica's gradient can be NaN
+    # (a mean over no examples), and NaN * 0 is still NaN.
+    return tf.where(weight > 0, gradient * tf.cast(weight, gradient.dtype), 0)

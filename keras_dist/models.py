@@ -80,13 +80,14 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
             loss = _compat.compute_loss(
                 self, x, y, y_pred, sample_weight, training=True
             )
-            _compat.update_loss_tracker(self, loss, _batch_size(x))
+            batch_size = _batch_size(x)
+            _compat.update_loss_tracker(self, loss, batch_size)
             if self.optimizer is not None:
                 loss = self.optimizer.scale_loss(loss)
         if self.trainable_weights:
             trainable_weights = self.trainable_weights
             gradients = tape.gradient(loss, trainable_weights)
-            self.apply_gradients(gradients, trainable_weights)
+            self.apply_gradients(gradients, trainable_weights, batch_size=batch_size)
         else:
             warnings.warn(
                 "The model does not have any trainable weights.", stacklevel=2
@@ -100,7 +101,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
             }
         return metrics
 
-    def apply_gradients(self, gradients, variables):
+    def apply_gradients(self, gradients, variables, batch_size=None):
         """Sums `gradients` over replicas with the hook, then applies them once.
 
         Call it from a custom `train_step` or from a custom training loop
@@ -117,6 +118,13 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
                 `tf.IndexedSlices` (embedding gradients) stay sparse with
                 the default hook.
             variables: List of the matching trainable variables.
+            batch_size: Int, scalar tensor or `None`. The number of examples
+                in this replica's batch. Give it when the replicas' batches
+                can differ (the last, partial batch of a dataset): each
+                replica's gradient is then weighted by its share of the
+                global batch, so the update equals one device's. An int (a
+                static batch) means equal batches. `train_step` passes it.
+                Defaults to `None` (batches taken as equal).
 
         Raises:
             RuntimeError: no optimizer (call `compile` first), or the hook
@@ -135,9 +143,11 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
         accumulator = find_accumulator(self.optimizer)
         if accumulator is not None:
             # Accumulate locally; reduce with the hook only on update steps.
-            accumulator.accumulate_and_apply(gradients, variables, hook)
+            accumulator.accumulate_and_apply(gradients, variables, hook, batch_size)
         else:
-            _aggregation.reduce_and_apply(self.optimizer, gradients, variables, hook)
+            _aggregation.reduce_and_apply(
+                self.optimizer, gradients, variables, hook, batch_size
+            )
 
     def _training_hook(self) -> AllReduceHook:
         """The one hook that sums this model's gradients.
@@ -583,7 +593,7 @@ class DistributedModel(DistributedTrainerMixin, keras.Model):
     def get_config(self):
         config = super().get_config()
         config["all_reduce_hook"] = keras.saving.serialize_keras_object(
-            self.all_reduce_hook
+            self._keras_dist_user_hook
         )
         return config
 
@@ -594,7 +604,8 @@ class DistributedModel(DistributedTrainerMixin, keras.Model):
             config.pop("all_reduce_hook", None), custom_objects=custom_objects
         )
         model = super().from_config(config, custom_objects=custom_objects)
-        model._set_hook(hook)
+        if hook is not None:
+            model.register_all_reduce_hook(hook)
         return model
 
 
@@ -639,7 +650,7 @@ class WrappedModel(DistributedModel):
         config = keras.Model.get_config(self)
         config["model"] = keras.saving.serialize_keras_object(self.model)
         config["all_reduce_hook"] = keras.saving.serialize_keras_object(
-            self.all_reduce_hook
+            self._keras_dist_user_hook
         )
         return config
 
@@ -692,8 +703,10 @@ def _is_functional_call(args, kwargs) -> bool:
 
 
 def _batch_size(x):
+    """The batch dimension of `x`: an int when static, else a tensor."""
     first = next(t for t in keras.tree.flatten(x) if t is not None)
-    return tf.shape(first)[0]
+    static = first.shape[0] if first.shape.rank else None
+    return int(static) if static is not None else tf.shape(first)[0]
 
 
 def _flatten_logs(logs):

@@ -46,8 +46,12 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
     - `iterations` is the inner optimizer's: the number of **updates**.
       Learning-rate schedules therefore advance once per update.
       `micro_steps` counts micro-batches.
-    - The applied gradient is the mean of the accumulated micro-step
-      gradients (the sum divided by the number of micro-steps accumulated).
+    - The applied gradient is the mean over the accumulated **examples**:
+      with `DistributedModel`, each micro-step's gradient counts with its
+      number of examples, so a short last batch weighs what its examples
+      weigh and the update equals one device's step on the same examples.
+      With a plain `keras.Model` (no batch size reaches the optimizer) it is
+      the mean of the micro-step gradients.
     - `accumulation_steps` can be assigned while training runs; the train
       function is not retraced. A cycle in progress completes when it has
       the new number of micro-steps.
@@ -55,8 +59,8 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
       over**: it completes with the next micro-steps (next epoch or next
       `fit`). Call `reset_accumulation()` to discard it instead.
     - Checkpoints (`.keras` files, `tf.train.Checkpoint`) save the
-      accumulators (summed over replicas) and the count of pending
-      micro-steps; restoring resumes the cycle where it stopped, on any
+      accumulators and the examples they hold (summed over replicas) and
+      the count of pending micro-steps; restoring resumes the cycle where it stopped, on any
       number of replicas (each replica gets an equal share of the sum).
     - BatchNormalization layers update their moving statistics on every
       micro-batch (batch `b`), not once per effective batch.
@@ -203,6 +207,10 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             _compat.add_replica_local_variable(self, reference, name=f"accumulator_{i}")
             for i, reference in enumerate(var_list)
         ]
+        # Examples accumulated on this replica (see `accumulate_and_apply`).
+        self._examples = _compat.add_replica_local_variable(
+            self, tf.zeros((), tf.float32), name="accumulated_examples"
+        )
         self._accumulator_index = {id(v): i for i, v in enumerate(var_list)}
         self.inner_optimizer.build(var_list)
         # Built here, in cross-replica context: a hook's state cannot be
@@ -278,6 +286,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         self._check_built("reset_accumulation")
         for accumulator in self._accumulators:
             accumulator.assign(tf.zeros_like(accumulator))
+        self._examples.assign(0.0)
         self._pending.assign(0)
 
     def scale_loss(self, loss):
@@ -305,9 +314,15 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             trainable_variables = _compat.optimizer_trainable_variables(self)
         self.accumulate_and_apply(grads, trainable_variables, self._plain_hook())
 
-    def accumulate_and_apply(self, grads, trainable_variables, hook):
+    def accumulate_and_apply(self, grads, trainable_variables, hook, batch_size=None):
         """Accumulates `grads`; on every k-th call reduces them with `hook`
         and applies their mean with the inner optimizer.
+
+        The mean is over examples: each micro-step's gradient counts with its
+        number of examples (`batch_size`), so a short last batch weighs what
+        its examples weigh, and the update equals one device's step on all
+        the accumulated examples. Without `batch_size` every micro-step
+        counts the same.
 
         Runs in replica context. `DistributedModel` calls it with the hook it
         trains with; `apply` calls it with the constructor's hook.
@@ -317,6 +332,9 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             trainable_variables: List of the matching variables.
             hook: The built `AllReduceHook` that sums the accumulated
                 gradients over replicas on update steps.
+            batch_size: Int, scalar tensor or `None`. This replica's number
+                of examples in the micro-batch. Defaults to `None` (each
+                micro-step counts as one).
         """
         trainable_variables = list(trainable_variables)
         if not self.built:
@@ -326,12 +344,21 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
         variables = [v for _, v in pairs]
         accumulators = [self._accumulators[self._index(v)] for v in variables]
+        # Accumulate the gradient of the *sum* of this replica's example
+        # losses (Keras scaled its mean loss by 1 / R), and count the
+        # examples: on update, sum / examples is the mean over every example
+        # of every replica and micro-step, on any number of replicas (also
+        # after a restore on another count).
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        examples = tf.cast(1 if batch_size is None else batch_size, tf.float32)
         for accumulator, (grad, _) in zip(accumulators, pairs):
             # Replica-local (ON_READ) variable: this writes only this
             # replica's copy, no communication.
+            weight = tf.cast(examples * replicas, accumulator.dtype)
             accumulator.assign_add(
-                tf.cast(tf.convert_to_tensor(grad), accumulator.dtype)
+                tf.cast(tf.convert_to_tensor(grad), accumulator.dtype) * weight
             )
+        self._examples.assign_add(examples)
 
         def cross_replica_update(strategy):
             # One unconditional merge_call per micro-step; the conditional
@@ -343,7 +370,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             def update():
                 strategy.extended.call_for_each_replica(
                     self._apply_accumulated,
-                    args=(accumulators, variables, hook, pending),
+                    args=(accumulators, variables, hook),
                 )
                 self._pending.assign(0)
                 return tf.constant(True)
@@ -356,12 +383,21 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
 
         tf.distribute.get_replica_context().merge_call(cross_replica_update)
 
-    def _apply_accumulated(self, accumulators, variables, hook, count):
-        count = tf.cast(count, accumulators[0].dtype) if accumulators else None
-        grads = [tf.identity(a.value) / tf.cast(count, a.dtype) for a in accumulators]
+    def _apply_accumulated(self, accumulators, variables, hook):
+        ctx = tf.distribute.get_replica_context()
+        local = tf.identity(self._examples.value)
+        if ctx.num_replicas_in_sync > 1:
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, local)
+        else:
+            total = local
+        grads = [
+            tf.math.divide_no_nan(tf.identity(a.value), tf.cast(total, a.dtype))
+            for a in accumulators
+        ]
         _aggregation.reduce_and_apply(self.inner_optimizer, grads, variables, hook)
         for accumulator in accumulators:
             accumulator.assign(tf.zeros_like(accumulator.value))
+        self._examples.assign(tf.zeros_like(self._examples.value))
 
     def _index(self, variable):
         try:

@@ -58,3 +58,28 @@ def sharded_dataset(x, y, global_batch):
         .batch(global_batch)
         .with_options(options)
     )
+
+
+def uneven_data(examples, features=8, seed=0):
+    """Regression data for the uneven-last-batch tests."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(examples, features)).astype("float32")
+    y = rng.normal(size=(examples, 2)).astype("float32")
+    return x, y
+
+
+def uneven_model(accumulation_steps=1, cls=None, features=8, seed=4):
+    """A compiled MLP (DistributedModel by default) with SGD(0.1), MSE."""
+    import keras_dist
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((features,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    model = (cls or keras_dist.DistributedModel)(inputs, keras.layers.Dense(2)(hidden))
+    optimizer = keras.optimizers.SGD(0.1)
+    if accumulation_steps > 1:
+        optimizer = keras_dist.GradientAccumulationOptimizer(
+            optimizer, accumulation_steps=accumulation_steps
+        )
+    model.compile(optimizer, "mse")
+    return model

@@ -85,6 +85,48 @@ def test_functional_class_and_track_variable():
     assert callable(keras.optimizers.SGD()._track_variable)
 
 
+def test_untracked_attribute_stays_out_of_keras_tracking():
+    layer = keras.layers.Dense(2)
+    sublayer = keras.layers.Dense(3)
+    _compat.set_untracked_attribute(layer, "helper", sublayer)
+    assert layer.helper is sublayer
+    assert sublayer not in layer._flatten_layers(include_self=False)
+    # The ordinary assignment is what Keras tracks (the reason for the helper).
+    layer.tracked = keras.layers.Dense(3)
+    assert layer.tracked in layer._flatten_layers(include_self=False)
+
+
+def test_attribute_of_type_finds_the_learning_rate_schedule():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    optimizer = keras.optimizers.SGD(schedule)
+    found = _compat.find_attribute_of_type(
+        optimizer, keras.optimizers.schedules.LearningRateSchedule
+    )
+    assert found is schedule
+    plain = keras.optimizers.SGD(0.1)
+    assert (
+        _compat.find_attribute_of_type(
+            plain, keras.optimizers.schedules.LearningRateSchedule
+        )
+        is None
+    )
+
+
+def test_fit_arguments_bind_to_keras_positional_order():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    values = _compat.bind_fit_arguments(model, ("x", "y", 8), {"epochs": 3})
+    assert values == {"x": "x", "y": "y", "batch_size": 8, "epochs": 3}
+
+
+def test_optimizer_variable_lists():
+    variable = keras.Variable(tf.zeros((2,)))
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    optimizer.build([variable])
+    own = _compat.optimizer_own_variables(optimizer)
+    assert own and all(any(v is o for o in optimizer.variables) for v in own)
+    assert _compat.optimizer_trainable_variables(optimizer) == [variable]
+
+
 def _python(code, **env):
     result = subprocess.run(
         [sys.executable, "-c", code],

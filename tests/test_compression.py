@@ -628,16 +628,41 @@ def test_reduce_checks_shapes_and_variables():
 
 
 @pytest.mark.parametrize("hook", all_hooks(), ids=hook_id)
-def test_indexed_slices_gradients_are_densified(hook):
+def test_indexed_slices_gradients(hook):
+    # NoCompression keeps sparse gradients sparse (as stock Keras does); the
+    # compressing hooks densify them.
     with tf.device("/cpu:0"):
         variables = [tf.Variable(tf.zeros((6, 4)))]
     hook.build(variables)
     values = tf.constant(np.arange(8, dtype="float32").reshape(2, 4))
     sparse = tf.IndexedSlices(values, tf.constant([1, 4]), tf.constant([6, 4]))
     (reduced,) = hook.reduce([sparse], variables)
-    assert tuple(reduced.shape) == (6, 4)
+    assert isinstance(reduced, tf.IndexedSlices) == isinstance(hook, NoCompression)
+    dense = tf.convert_to_tensor(reduced)
+    assert tuple(dense.shape) == (6, 4)
     if isinstance(hook, (NoCompression, FP16, BF16)):
-        np.testing.assert_allclose(reduced.numpy(), tf.convert_to_tensor(sparse))
+        np.testing.assert_allclose(dense.numpy(), tf.convert_to_tensor(sparse))
+
+
+def test_no_compression_sums_sparse_gradients_over_replicas(mirrored2):
+    with mirrored2.scope():
+        variables = [tf.Variable(tf.zeros((6, 4)))]
+        hook = NoCompression()
+        hook.build(variables)
+
+    def step():
+        ctx = tf.distribute.get_replica_context()
+        row = tf.cast(ctx.replica_id_in_sync_group, tf.int64)
+        sparse = tf.IndexedSlices(tf.ones((1, 4)), tf.reshape(row, [1]), [6, 4])
+        (reduced,) = hook.reduce([sparse], variables)
+        assert isinstance(reduced, tf.IndexedSlices)
+        return tf.convert_to_tensor(reduced)
+
+    result = mirrored2.experimental_local_results(mirrored2.run(tf.function(step)))
+    expected = np.zeros((6, 4), "float32")
+    expected[:2] = 1.0
+    for value in result:
+        np.testing.assert_allclose(value.numpy(), expected)
 
 
 def test_gradient_dtype_must_match_its_variable():

@@ -132,3 +132,23 @@ def adaptive_autoscale_fit(epochs=3):
         },
         "weights": model.get_weights(),
     }
+
+
+def uneven_fit(cases, epochs=2):
+    """DistributedModel on datasets whose last batch is short, multi-worker.
+
+    `cases` are `(examples, global_batch, accumulation_steps)`; returns the
+    weights of each, to compare with one device in the parent.
+    """
+    import tensorflow as tf
+    from helpers import sharded_dataset, uneven_data, uneven_model
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    results = []
+    for examples, batch, steps in cases:
+        x, y = uneven_data(examples)
+        with strategy.scope():
+            model = uneven_model(steps)
+        model.fit(sharded_dataset(x, y, batch), epochs=epochs, verbose=0)
+        results.append(model.get_weights())
+    return results

@@ -1,0 +1,88 @@
+"""A last batch that does not split evenly over replicas trains exactly.
+
+Keras scales each replica's mean loss by `1 / R`: with unequal per-replica
+batches (the last batch of almost every dataset) the update is the mean of
+the replicas' means, not the mean over the global batch, and stock Keras
+drifts from one device. `DistributedModel` weights each replica by its share
+of the batch (and counts examples when accumulating), so the weights equal
+one device's.
+"""
+
+import keras
+import pytest
+import workers
+from conftest import mirrored
+from helpers import max_abs_diff, uneven_data, uneven_model
+
+from keras_dist.testing import run_workers
+
+TOLERANCE = 1e-6
+EPOCHS = 2
+CASES = [(3, 3), (5, 4), (1001, 64)]
+
+
+def one_device(examples, batch, accumulation_steps=1):
+    x, y = uneven_data(examples)
+    model = uneven_model(accumulation_steps)
+    model.fit(x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def on_replicas(examples, batch, accumulation_steps=1, replicas=2):
+    x, y = uneven_data(examples)
+    with mirrored(replicas).scope():
+        model = uneven_model(accumulation_steps)
+    model.fit(x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+@pytest.mark.parametrize(("examples", "batch"), CASES)
+def test_uneven_last_batch_equals_one_device(examples, batch, accumulation_steps):
+    expected = one_device(examples, batch, accumulation_steps)
+    got = on_replicas(examples, batch, accumulation_steps)
+    assert max_abs_diff(expected, got) <= TOLERANCE
+
+
+def test_stock_keras_drifts_where_distributed_model_does_not():
+    # The defect being fixed, measured on stock Keras: 1001 examples in
+    # batches of 64 on 2 replicas; the last batch (41) splits 21 + 20.
+    x, y = uneven_data(1001)
+    reference = uneven_model(cls=keras.Model)
+    reference.fit(x, y, batch_size=64, epochs=EPOCHS, shuffle=False, verbose=0)
+    with mirrored(2).scope():
+        stock = uneven_model(cls=keras.Model)
+    stock.fit(x, y, batch_size=64, epochs=EPOCHS, shuffle=False, verbose=0)
+    assert max_abs_diff(reference.get_weights(), stock.get_weights()) > 1e-5
+    assert max_abs_diff(reference.get_weights(), on_replicas(1001, 64)) <= TOLERANCE
+
+
+def test_accumulation_is_the_mean_over_examples():
+    # 1001 examples in micro-batches of 64 (the 16th holds 41), 2 per
+    # update: each update is one big batch of the same examples.
+    x, y = uneven_data(1001)
+    big = uneven_model(cls=keras.Model)
+    big.fit(x, y, batch_size=128, epochs=EPOCHS, shuffle=False, verbose=0)
+    accumulated = one_device(1001, 64, accumulation_steps=2)
+    assert max_abs_diff(big.get_weights(), accumulated) <= TOLERANCE
+
+
+def test_four_replicas_with_an_empty_replica():
+    # A global batch of 3 on 4 replicas leaves one replica without examples.
+    expected = one_device(7, 4)
+    got = on_replicas(7, 4, replicas=4)
+    assert max_abs_diff(expected, got) <= TOLERANCE
+
+
+@pytest.mark.multiworker
+def test_uneven_last_batch_in_two_worker_processes():
+    cases = [(5, 4, 1), (1001, 64, 1), (5, 4, 2), (1001, 64, 2)]
+    results = run_workers(workers.uneven_fit, num_workers=2, args=(cases,), timeout=400)
+    for index, (examples, batch, steps) in enumerate(cases):
+        expected = one_device(examples, batch, steps)
+        for worker in results:
+            assert max_abs_diff(expected, worker[index]) <= TOLERANCE, (
+                examples,
+                batch,
+                steps,
+            )
