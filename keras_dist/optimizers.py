@@ -60,8 +60,9 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
       `fit`). Call `reset_accumulation()` to discard it instead.
     - Checkpoints (`.keras` files, `tf.train.Checkpoint`) save the
       accumulators and the examples they hold (summed over replicas) and
-      the count of pending micro-steps; restoring resumes the cycle where it stopped, on any
-      number of replicas (each replica gets an equal share of the sum).
+      the count of pending micro-steps; restoring resumes the cycle where
+      it stopped, on any number of replicas (each replica gets an equal
+      share of the sums).
     - BatchNormalization layers update their moving statistics on every
       micro-batch (batch `b`), not once per effective batch.
     - Mixed precision: with `mixed_float16`, Keras wraps the optimizer as
