@@ -142,7 +142,26 @@ def is_multi_worker(strategy) -> bool:
 
 # Keras's functional model class; `DistributedModel(inputs, outputs)` returns a
 # subclass of it, as `keras.Model(inputs, outputs)` returns a `Functional`.
+# KerasSaveable is the base of everything Keras's saving walks (layers,
+# optimizers, metrics): `DistributedModel.all_reduce_hook_state` returns one,
+# so the hook's state has its own path in `.keras` / `.weights.h5` files and
+# plain Keras models load the same files.
 from keras.src.models.functional import Functional as Functional  # noqa: E402
+from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
+
+
+class StateSaveable(KerasSaveable):
+    """Base of an object that Keras's saving visits for its own variables.
+
+    Keras saves `save_own_variables` of every `KerasSaveable` it finds among
+    a model's attributes, under the attribute's name. `_obj_type` must be
+    one of the types Keras computes an attribute skip list for; "Loss" is
+    the smallest (a subclass must keep no `KerasSaveable` attributes of its
+    own, which Keras would then walk too).
+    """
+
+    def _obj_type(self):
+        return "Loss"
 
 
 def _needs_symbolic_build(model) -> bool:

@@ -127,6 +127,34 @@ def test_optimizer_variable_lists():
     assert _compat.optimizer_trainable_variables(optimizer) == [variable]
 
 
+def test_state_saveable_is_walked_by_keras_saving(tmp_path):
+    # Keras saves `save_own_variables` of KerasSaveable attributes (also
+    # properties) under the attribute's name, and accepts "Loss" as the
+    # saveable's type.
+    from keras.src.saving import saving_lib
+
+    class Counter(_compat.StateSaveable):
+        def save_own_variables(self, store):
+            store["0"] = tf.constant([7.0]).numpy()
+
+        def load_own_variables(self, store):
+            self.loaded = store["0"][...]
+
+    counter = Counter()
+
+    class WithState(keras.Sequential):
+        @property
+        def extra_state(self):
+            return counter
+
+    saving_lib.get_attr_skipset(counter._obj_type())
+    model = WithState([keras.Input((2,)), keras.layers.Dense(1)])
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    model.load_weights(path)
+    assert list(counter.loaded) == [7.0]
+
+
 def _python(code, **env):
     result = subprocess.run(
         [sys.executable, "-c", code],
