@@ -19,6 +19,7 @@ Without statistics the path is unchanged.
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from keras_dist import _compat
@@ -68,7 +69,12 @@ def build_hook(hook: AllReduceHook, variables, strategy) -> None:
 
 
 def reduce_and_apply(
-    optimizer, gradients, variables, hook: AllReduceHook, batch_size=None
+    optimizer,
+    gradients,
+    variables,
+    hook: AllReduceHook,
+    batch_size=None,
+    check_finite=False,
 ):
     """Sums `gradients` over replicas through `hook`, then applies them once.
 
@@ -82,11 +88,13 @@ def reduce_and_apply(
         variables: List of the matching trainable variables.
         hook: The `AllReduceHook` that sums the gradients.
         batch_size: Int, scalar tensor or `None`. The number of examples
-            this replica's gradients come from. When the replicas' batches
-            can differ (a dynamic batch dimension: the last batch of an
-            epoch), each replica's gradient is weighted by its share of the
-            global batch (see `weight_by_batch_share`). `None`: the batches
-            are taken as equal.
+            this replica's gradients come from: each replica's gradient is
+            weighted by its share of the global batch (see
+            `weight_by_batch_share`), which is exact for a last batch that
+            does not split evenly. `None`: the batches are taken as equal.
+        check_finite: Bool. Fail the step, before any weight changes, when
+            the reduced gradient holds NaN or inf (unless a
+            `LossScaleOptimizer` handles that). Defaults to `False`.
 
     Returns:
         The list of summed gradients that were applied.
@@ -110,7 +118,7 @@ def reduce_and_apply(
         return []
     grads = [g for g, _ in pairs]
     trainable = [v for _, v in pairs]
-    if batch_size is not None and not isinstance(batch_size, int):
+    if batch_size is not None:
         grads = weight_by_batch_share(grads, batch_size)
     reduced = hook.reduce(grads, trainable)
     if len(reduced) != len(grads):
@@ -119,12 +127,103 @@ def reduce_and_apply(
             f"{len(grads)} inputs; `reduce` must return one summed gradient "
             "per input gradient, in order."
         )
+    reduced = list(reduced)
+    _check_reduced(hook, grads, reduced, trainable)
     statistics = gradient_statistics(optimizer)
     if statistics is not None:
         statistics.record(grads, reduced)
-    with _compat.optimizer_all_reduce_disabled(optimizer):
+    control = []
+    if check_finite and not _loss_scaled(optimizer):
+        control = [_assert_finite(reduced, optimizer.iterations)]
+    # The assert runs before any update (tf.function also orders stateful
+    # ops in program order), so a failing step leaves the weights as they
+    # were.
+    with (
+        tf.control_dependencies(control),
+        _compat.optimizer_all_reduce_disabled(optimizer),
+    ):
         optimizer.apply(reduced, trainable)
     return reduced
+
+
+def _check_reduced(hook, gradients, reduced, variables) -> None:
+    """Raises if `hook.reduce` changed a gradient's shape or dtype."""
+    for position, (gradient, summed, variable) in enumerate(
+        zip(gradients, reduced, variables)
+    ):
+        if summed is None or not hasattr(summed, "dtype"):
+            raise TypeError(
+                f"All-reduce hook {hook!r} returned {summed!r} for gradient "
+                f"{position} ({_name(variable)}); `reduce` must return a tensor "
+                "per input gradient."
+            )
+        if tf.as_dtype(summed.dtype) != tf.as_dtype(gradient.dtype):
+            raise TypeError(
+                f"All-reduce hook {hook!r} returned dtype "
+                f"{tf.as_dtype(summed.dtype).name} for gradient {position} "
+                f"({_name(variable)}) of dtype {tf.as_dtype(gradient.dtype).name}; "
+                "`reduce` must return each sum in its gradient's dtype (cast "
+                "back after compressing)."
+            )
+        want = _dense_shape(gradient)
+        got = _dense_shape(summed)
+        if not got.is_compatible_with(want):
+            raise ValueError(
+                f"All-reduce hook {hook!r} returned shape {got} for gradient "
+                f"{position} ({_name(variable)}) of shape {want}; `reduce` must "
+                "return each sum in its gradient's shape."
+            )
+
+
+def _dense_shape(tensor) -> tf.TensorShape:
+    if isinstance(tensor, tf.IndexedSlices):
+        static = tf.get_static_value(tensor.dense_shape)
+        if static is None:
+            return tf.TensorShape([None] * tensor.values.shape.rank)
+        return tf.TensorShape(static)
+    return tf.TensorShape(tensor.shape)
+
+
+def _name(variable) -> str:
+    return str(getattr(variable, "path", None) or variable.name)
+
+
+def _loss_scaled(optimizer) -> bool:
+    # A LossScaleOptimizer expects non-finite (overflowed) gradients and
+    # skips those steps itself.
+    return any(
+        isinstance(nested, keras.optimizers.LossScaleOptimizer)
+        for nested in _compat.nested_optimizers(optimizer)
+    )
+
+
+def _assert_finite(gradients, iterations):
+    """An op that fails when any reduced gradient is NaN or infinite.
+
+    The reduced gradients are identical on every replica and worker, so all
+    of them stop at the same step, with this message.
+    """
+    finite = tf.reduce_all(
+        [
+            tf.reduce_all(
+                tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g)
+            )
+            for g in gradients
+        ]
+    )
+    return tf.debugging.Assert(
+        finite,
+        [
+            "keras_dist: the all-reduced gradient is not finite (NaN or inf) at "
+            "optimizer update",
+            iterations,
+            "(0-based). The weights were not updated. Usual causes: NaN or inf "
+            "in the input data, a learning rate that diverged, a loss that "
+            "overflows. Turn the check off with "
+            "model.compile(..., check_finite_gradients=False).",
+        ],
+        summarize=1,
+    )
 
 
 def weight_by_batch_share(gradients, batch_size):
@@ -136,9 +235,10 @@ def weight_by_batch_share(gradients, batch_size):
     and the lone example would weigh as much as the other two). Multiplying
     replica `i`'s gradient by `R * n_i / N` (`n_i` its examples, `N` their
     sum over replicas) makes the sum the gradient of the global-batch mean,
-    as on one device. It costs one all-reduced scalar per step; callers skip
-    it when the batch size is static (the replicas' batches are equal).
-    A replica with no examples contributes zero.
+    as on one device. It costs one all-reduced scalar per step, always
+    issued: every replica must make the same collectives, and replicas (and
+    workers) trace their steps separately, with static shapes that can
+    differ. A replica with no examples contributes zero.
 
     Args:
         gradients: List of this replica's gradients (dense or

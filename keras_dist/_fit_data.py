@@ -10,6 +10,7 @@ the callbacks module.
 from __future__ import annotations
 
 import math
+import types
 
 import keras
 import numpy as np
@@ -64,6 +65,7 @@ def prepare_fit_arguments(model, args, kwargs):
             from the callback's.
     """
     values = _compat.bind_fit_arguments(model, args, kwargs)
+    _refuse_generator_on_replicas(model, values.get("x"))
     autoscale = _find_batching_callback(values.get("callbacks"))
     if autoscale is None:
         return args, kwargs
@@ -245,3 +247,26 @@ def _static_batch_size(dataset):
 def _update_count(model):
     optimizer = getattr(model, "optimizer", None)
     return 0 if optimizer is None else int(optimizer.iterations.numpy())
+
+
+def _refuse_generator_on_replicas(model, x):
+    """Raises for a Python generator when `fit` runs on several replicas.
+
+    tf.distribute cannot split a generator's batches (their size is not
+    known to the input pipeline), so every replica takes a whole yielded
+    batch: each step trains on R yielded batches, and stock Keras does so
+    silently (8 yields of 16 on 2 replicas: 4 steps of 32). Refused rather
+    than trained differently from one device.
+    """
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if isinstance(x, types.GeneratorType) and replicas > 1:
+        raise ValueError(
+            "`x` must not be a Python generator when training on more than one "
+            f"replica: tf.distribute cannot split its batches, so each of the "
+            f"{replicas} replicas would take a whole yielded batch and every "
+            "step would train on several of them (stock Keras does this "
+            "silently). Received: x=<generator> with num_replicas_in_sync="
+            f"{replicas}. Use a `keras.utils.PyDataset` (exact: each batch is "
+            "split over the replicas), a batched `tf.data.Dataset`, or numpy "
+            "arrays."
+        )

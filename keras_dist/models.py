@@ -9,7 +9,7 @@ import weakref
 import keras
 import tensorflow as tf
 
-from keras_dist import _aggregation, _compat, _fit_data
+from keras_dist import _aggregation, _compat, _fit_data, _validation
 from keras_dist.compression.base import AllReduceHook, NoCompression
 from keras_dist.optimizers import GradientAccumulationOptimizer, find_accumulator
 
@@ -31,6 +31,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
     def __init__(self, *args, all_reduce_hook=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._set_hook(all_reduce_hook)
+        self._keras_dist_check_finite = True
 
     def _set_hook(self, hook):
         if hook is not None:
@@ -123,8 +124,8 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
                 in this replica's batch. Give it when the replicas' batches
                 can differ (the last, partial batch of a dataset): each
                 replica's gradient is then weighted by its share of the
-                global batch, so the update equals one device's. An int (a
-                static batch) means equal batches. `train_step` passes it.
+                global batch, so the update equals one device's (one
+                all-reduced scalar per step). `train_step` passes it.
                 Defaults to `None` (batches taken as equal).
 
         Raises:
@@ -140,14 +141,22 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
             )
         variables = list(variables)
         hook = self._training_hook()
+        check_finite = self._keras_dist_check_finite and not self.jit_compile
         self._ensure_built(hook, variables)
         accumulator = find_accumulator(self.optimizer)
         if accumulator is not None:
             # Accumulate locally; reduce with the hook only on update steps.
-            accumulator.accumulate_and_apply(gradients, variables, hook, batch_size)
+            accumulator.accumulate_and_apply(
+                gradients, variables, hook, batch_size, check_finite=check_finite
+            )
         else:
             _aggregation.reduce_and_apply(
-                self.optimizer, gradients, variables, hook, batch_size
+                self.optimizer,
+                gradients,
+                variables,
+                hook,
+                batch_size,
+                check_finite=check_finite,
             )
 
     def _training_hook(self) -> AllReduceHook:
@@ -198,7 +207,14 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
         # builds itself in `accumulate_and_apply`, as Keras optimizers do.
         _aggregation.build_hook(hook, variables, self.distribute_strategy)
 
-    def compile(self, optimizer="rmsprop", *args, auto_scale_loss=True, **kwargs):
+    def compile(
+        self,
+        optimizer="rmsprop",
+        *args,
+        auto_scale_loss=True,
+        check_finite_gradients=True,
+        **kwargs,
+    ):
         """Configures the model for training; see `keras.Model.compile`.
 
         One difference: under the `mixed_float16` policy a
@@ -214,6 +230,14 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
             auto_scale_loss: Bool. As in Keras: under `mixed_float16`, add
                 loss scaling (inside a `GradientAccumulationOptimizer`, see
                 above). Defaults to `True`.
+            check_finite_gradients: Bool. Stop training with an error naming
+                the update, before the weights change, when the all-reduced
+                gradient holds NaN or inf (NaN in the data can leave the
+                logged loss finite while it turns the weights into NaN). Not
+                done under loss scaling (the `LossScaleOptimizer` skips such
+                steps itself) nor with `jit_compile=True` (XLA has no assert
+                op). It costs one pass over the reduced gradient per update
+                (`benchmarks/finite_check.py`). Defaults to `True`.
             **kwargs: Further arguments of `keras.Model.compile` (`loss`,
                 `metrics`, `steps_per_execution`, ...).
 
@@ -223,6 +247,9 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
                 loss scaling is already built, so it cannot be added.
         """
         optimizer = keras.optimizers.get(optimizer)
+        self._keras_dist_check_finite = _validation.check_bool(
+            "check_finite_gradients", check_finite_gradients
+        )
         if (
             auto_scale_loss
             and isinstance(optimizer, GradientAccumulationOptimizer)

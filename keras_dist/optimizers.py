@@ -315,7 +315,9 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             trainable_variables = _compat.optimizer_trainable_variables(self)
         self.accumulate_and_apply(grads, trainable_variables, self._plain_hook())
 
-    def accumulate_and_apply(self, grads, trainable_variables, hook, batch_size=None):
+    def accumulate_and_apply(
+        self, grads, trainable_variables, hook, batch_size=None, check_finite=False
+    ):
         """Accumulates `grads`; on every k-th call reduces them with `hook`
         and applies their mean with the inner optimizer.
 
@@ -336,6 +338,8 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             batch_size: Int, scalar tensor or `None`. This replica's number
                 of examples in the micro-batch. Defaults to `None` (each
                 micro-step counts as one).
+            check_finite: Bool. Fail an update whose reduced gradient is not
+                finite (see `DistributedModel.compile`). Defaults to `False`.
         """
         trainable_variables = list(trainable_variables)
         if not self.built:
@@ -371,7 +375,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             def update():
                 strategy.extended.call_for_each_replica(
                     self._apply_accumulated,
-                    args=(accumulators, variables, hook),
+                    args=(accumulators, variables, hook, check_finite),
                 )
                 self._pending.assign(0)
                 return tf.constant(True)
@@ -384,7 +388,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
 
         tf.distribute.get_replica_context().merge_call(cross_replica_update)
 
-    def _apply_accumulated(self, accumulators, variables, hook):
+    def _apply_accumulated(self, accumulators, variables, hook, check_finite):
         ctx = tf.distribute.get_replica_context()
         local = tf.identity(self._examples.value)
         if ctx.num_replicas_in_sync > 1:
@@ -395,7 +399,9 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             tf.math.divide_no_nan(tf.identity(a.value), tf.cast(total, a.dtype))
             for a in accumulators
         ]
-        _aggregation.reduce_and_apply(self.inner_optimizer, grads, variables, hook)
+        _aggregation.reduce_and_apply(
+            self.inner_optimizer, grads, variables, hook, check_finite=check_finite
+        )
         for accumulator in accumulators:
             accumulator.assign(tf.zeros_like(accumulator.value))
         self._examples.assign(tf.zeros_like(self._examples.value))

@@ -1,0 +1,171 @@
+"""No silent wrong answers: what DistributedModel checks for you.
+
+Non-finite gradients stop training before the weights change; a Python
+generator on several replicas (which tf.distribute cannot split) is refused;
+a hook that returns the wrong shapes or dtypes is named.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import mirrored
+
+import keras_dist
+from keras_dist.compression import AllReduceHook
+from keras_dist.compression.base import all_reduce_sum
+
+
+def regression_data(n=64, nan_at=None):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = rng.normal(size=(n, 1)).astype("float32")
+    if nan_at is not None:
+        x[nan_at, 2] = np.nan
+    return x, y
+
+
+def small_model(base=keras_dist.DistributedModel, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    return base(inputs, keras.layers.Dense(1)(hidden), **kwargs)
+
+
+# --- NaN in the data -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_nan_input_stops_training_before_the_weights_change(
+    replicas, accumulation_steps
+):
+    # relu maps NaN to 0 on CPU, so the logged loss can stay finite while
+    # the gradient (and stock Keras's weights) turn NaN.
+    x, y = regression_data(nan_at=37)  # in the third batch of 16
+    with mirrored(replicas).scope():
+        model = small_model()
+        optimizer = keras.optimizers.SGD(0.1)
+        if accumulation_steps > 1:
+            optimizer = keras_dist.GradientAccumulationOptimizer(
+                optimizer, accumulation_steps=accumulation_steps
+            )
+        model.compile(optimizer, "mse")
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"all-reduced gradient is not finite \(NaN or inf\) at optimizer",
+    ):
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    # Updates before the bad batch were applied; the bad one was not.
+    assert int(model.optimizer.iterations.numpy()) == 2 // accumulation_steps
+
+
+def test_stock_keras_turns_the_weights_nan_silently():
+    # The defect the check exists for; if stock Keras ever catches it,
+    # revisit the default.
+    x, y = regression_data(nan_at=37)
+    model = small_model(keras.Model)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert not all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_finite_check_can_be_turned_off():
+    x, y = regression_data(nan_at=37)
+    model = small_model()
+    model.compile(keras.optimizers.SGD(0.1), "mse", check_finite_gradients=False)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert not all(np.isfinite(w).all() for w in model.get_weights())
+    with pytest.raises(TypeError, match="`check_finite_gradients` must be a bool"):
+        model.compile("sgd", "mse", check_finite_gradients="yes")
+
+
+def test_finite_check_leaves_loss_scaling_alone():
+    # Under mixed_float16 the LossScaleOptimizer skips overflowing steps
+    # itself; the first steps overflow on purpose while the scale settles.
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        x, y = regression_data()
+        model = small_model()
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        model.fit(x, y * 1e4, batch_size=16, epochs=1, verbose=0)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+# --- Generators on several replicas ------------------------------------------
+
+
+def test_python_generator_on_replicas_is_refused():
+    x, y = regression_data()
+
+    def batches():
+        for start in range(0, 64, 16):
+            yield x[start : start + 16], y[start : start + 16]
+
+    with mirrored(2).scope():
+        model = small_model()
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    with pytest.raises(ValueError, match=r"`x` must not be a Python generator"):
+        model.fit(batches(), epochs=1, verbose=0)
+    # One replica: a generator is fine.
+    single = small_model()
+    single.compile(keras.optimizers.SGD(0.1), "mse")
+    single.fit(batches(), epochs=1, verbose=0)
+
+
+def test_py_dataset_on_replicas_equals_one_device():
+    x, y = regression_data()
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            return x[index * 16 : (index + 1) * 16], y[index * 16 : (index + 1) * 16]
+
+    reference = small_model()
+    reference.compile(keras.optimizers.SGD(0.1), "mse")
+    reference.fit(Batches(), epochs=1, shuffle=False, verbose=0)
+    with mirrored(2).scope():
+        model = small_model()
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(Batches(), epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+# --- Hooks that return the wrong thing -----------------------------------------
+
+
+class CastingHook(AllReduceHook):
+    """Forgets to cast the sum back to the gradient's dtype."""
+
+    def reduce(self, gradients, variables):
+        gradients, _ = self.prepare(gradients, variables)
+        return all_reduce_sum([tf.cast(g, "float16") for g in gradients])
+
+
+class ReshapingHook(AllReduceHook):
+    """Returns flattened sums."""
+
+    def reduce(self, gradients, variables):
+        gradients, _ = self.prepare(gradients, variables)
+        return [tf.reshape(g, [-1]) for g in all_reduce_sum(gradients)]
+
+
+@pytest.mark.parametrize(
+    ("hook", "error", "message"),
+    [
+        (CastingHook(), TypeError, r"returned dtype float16 for gradient 0"),
+        (ReshapingHook(), ValueError, r"returned shape \(32,\) for gradient 0"),
+    ],
+)
+def test_hook_output_is_checked(hook, error, message):
+    x, y = regression_data()
+    model = small_model(all_reduce_hook=hook)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    with pytest.raises(error, match=message):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
