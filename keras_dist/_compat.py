@@ -194,7 +194,17 @@ class MultiWorkerBuildFix:
             return
         if iterator is not None:
             for _, _, it in iterator:
-                batch = next(it)
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    # Stock Keras lets a bare StopIteration escape here.
+                    raise ValueError(
+                        "The data given to `fit`/`evaluate` is empty: it "
+                        "yielded no batch. Received: an input with 0 "
+                        "examples. Check the dataset (a filter or a split "
+                        "that left nothing, `drop_remainder=True` on fewer "
+                        "examples than one batch)."
+                    ) from None
                 data_batch = keras.tree.map_structure(
                     lambda value: (
                         strategy.experimental_local_results(value)[0]

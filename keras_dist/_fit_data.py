@@ -68,6 +68,7 @@ def prepare_fit_arguments(model, args, kwargs):
     _refuse_generator_on_replicas(model, values.get("x"))
     autoscale = _find_batching_callback(values.get("callbacks"))
     if autoscale is None:
+        _refuse_unbatched_dataset(model, values.get("x"))
         return args, kwargs
     batch = (
         autoscale.per_replica_batch_size
@@ -269,4 +270,25 @@ def _refuse_generator_on_replicas(model, x):
             f"{replicas}. Use a `keras.utils.PyDataset` (exact: each batch is "
             "split over the replicas), a batched `tf.data.Dataset`, or numpy "
             "arrays."
+        )
+
+
+def _refuse_unbatched_dataset(model, x):
+    """Raises when `fit` gets a dataset of single examples (no `.batch`).
+
+    Only where the model's input rank makes it certain (a functional
+    model); Keras would fail later with a shape error that does not say
+    why.
+    """
+    if (
+        isinstance(x, tf.data.Dataset)
+        and getattr(model, "inputs", None)
+        and _is_unbatched(x, model)
+    ):
+        raise ValueError(
+            "`x` must be a batched `tf.data.Dataset`: its elements have the "
+            "shape of single examples, one dimension short of the model's "
+            f"inputs. Received: element_spec={x.element_spec}. Call "
+            "`dataset.batch(global_batch_size)` (with an "
+            "`AutoScaleBatch` callback, DistributedModel batches it for you)."
         )

@@ -61,7 +61,17 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
 
         Args:
             hook: `keras_dist.compression.AllReduceHook` instance.
+
+        Raises:
+            TypeError: `hook` is not an `AllReduceHook` instance.
+            RuntimeError: called while `fit` runs (from a callback).
         """
+        if getattr(self, "_keras_dist_fitting", False):
+            raise RuntimeError(
+                "`register_all_reduce_hook` cannot be called while `fit` runs "
+                "(from a callback): the compiled train step uses the current "
+                "hook until `fit` returns. Call it between `fit` calls."
+            )
         self._set_hook(_aggregation.check_hook(hook, argument="hook"))
         self.train_function = None
 
@@ -311,7 +321,11 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
         # With an AutoScaleBatch callback, numpy arrays and unbatched datasets
         # are batched at its per_replica_batch_size x num_replicas_in_sync.
         args, kwargs = _fit_data.prepare_fit_arguments(self, args, kwargs)
-        return super().fit(*args, **kwargs)
+        self._keras_dist_fitting = True
+        try:
+            return super().fit(*args, **kwargs)
+        finally:
+            self._keras_dist_fitting = False
 
     def evaluate(self, *args, **kwargs):
         self._check_strategy()

@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist import _aggregation, _compat
+from keras_dist._validation import check_int
 from keras_dist.compression.base import NoCompression
 
 _REFUSED_BASE_KWARGS = {
@@ -158,7 +159,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
                 "tf.distribute (keras-team/keras#20582). Remove it and use "
                 "`accumulation_steps` here."
             )
-        _check_steps(accumulation_steps)
+        accumulation_steps = _check_steps(accumulation_steps)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self._initial_accumulation_steps = int(accumulation_steps)
@@ -277,7 +278,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
 
     @accumulation_steps.setter
     def accumulation_steps(self, value):
-        _check_steps(value)
+        value = _check_steps(value)
         self._initial_accumulation_steps = int(value)
         if self.built:
             self._steps_variable.assign(int(value))
@@ -440,17 +441,16 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         return cls(inner, all_reduce_hook=hook, **config)
 
 
-def _check_steps(value):
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(
-            "`accumulation_steps` must be an int >= 1. Received: "
-            f"accumulation_steps={value!r} (type {type(value).__name__})."
-        )
-    if value < 1:
-        raise ValueError(
-            "`accumulation_steps` must be >= 1 (1 means no accumulation). "
-            f"Received: accumulation_steps={value}."
-        )
+def _check_steps(value) -> int:
+    # Bounded: an absurd value (2**63) would otherwise fail only when the
+    # int64 counter is built.
+    return check_int(
+        "accumulation_steps",
+        value,
+        minimum=1,
+        maximum=10**9,
+        hint="1 means no accumulation.",
+    )
 
 
 def find_accumulator(optimizer):

@@ -169,3 +169,40 @@ def test_hook_output_is_checked(hook, error, message):
     model.compile(keras.optimizers.SGD(0.1), "mse")
     with pytest.raises(error, match=message):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+# --- Clear errors instead of opaque ones -----------------------------------------
+
+
+def test_empty_data_is_a_clear_error():
+    with mirrored(2).scope():
+        model = small_model()
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    empty = np.zeros((0, 4), "float32"), np.zeros((0, 1), "float32")
+    with pytest.raises(ValueError, match=r"is empty: it yielded no batch"):
+        model.fit(*empty, verbose=0)
+    with pytest.raises(ValueError, match=r"is empty: it yielded no batch"):
+        model.evaluate(*empty, verbose=0)
+
+
+def test_unbatched_dataset_is_a_clear_error():
+    x, y = regression_data()
+    model = small_model()
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    with pytest.raises(ValueError, match=r"must be a batched `tf\.data\.Dataset`"):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)), verbose=0)
+
+
+def test_hook_cannot_change_while_fit_runs():
+    x, y = regression_data()
+    model = small_model()
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+
+    class SwapHook(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.register_all_reduce_hook(keras_dist.compression.FP16())
+
+    with pytest.raises(RuntimeError, match=r"cannot be called while `fit` runs"):
+        model.fit(x, y, batch_size=16, callbacks=[SwapHook()], verbose=0)
+    model.register_all_reduce_hook(keras_dist.compression.FP16())  # after: fine
+    model.fit(x, y, batch_size=16, verbose=0)

@@ -390,6 +390,7 @@ def test_hooks_on_model_and_optimizer_conflict():
         ({"accumulation_steps": 0}, ValueError, "accumulation_steps=0"),
         ({"accumulation_steps": 2.5}, TypeError, "accumulation_steps=2.5"),
         ({"accumulation_steps": True}, TypeError, "accumulation_steps=True"),
+        ({"accumulation_steps": 2**63}, ValueError, r"must be an int >= 1 and <="),
         ({"clipnorm": 1.0}, ValueError, "Set `clipnorm` on the `inner_optimizer`"),
         ({"unknown": 1}, ValueError, "does not support arguments: `unknown`"),
         ({"all_reduce_hook": "fp16"}, TypeError, "all_reduce_hook='fp16'"),
@@ -398,6 +399,14 @@ def test_hooks_on_model_and_optimizer_conflict():
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         keras_dist.GradientAccumulationOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def test_numpy_accumulation_steps_are_accepted():
+    optimizer = keras_dist.GradientAccumulationOptimizer(
+        keras.optimizers.SGD(), accumulation_steps=np.int64(4)
+    )
+    assert optimizer.accumulation_steps == 4
+    assert type(optimizer.get_config()["accumulation_steps"]) is int
 
 
 def test_bad_inner_optimizer():
