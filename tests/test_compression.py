@@ -291,7 +291,7 @@ def test_powersgd_before_start_step_is_the_plain_sum(mirrored2):
             assert hook.stats().ratio == 1.0
             assert float(hook.compression_ratio()) == 1.0
             # Nothing was approximated: no error to feed back.
-            for value in harness.local(hook._state["error_0"]):
+            for value in harness.local(hook.state("error_0")):
                 assert not value.any()
         else:
             # Rank 1 of a random 64 x 48 matrix: far from the exact sum.
@@ -312,7 +312,7 @@ def test_powersgd_recovers_after_a_zero_gradient(mirrored2):
     hook = PowerSGD(rank=2, start_step=0, error_feedback=False)
     harness = Harness(mirrored2, hook, shapes)
     harness.reduce([[np.zeros((32, 24), "float32")] for _ in range(2)])
-    assert np.any(harness.local(hook._state["q_0"])[0])
+    assert np.any(harness.local(hook.state("q_0"))[0])
     rng = np.random.default_rng(30)
     grads = [[low_rank(32, 24, 1, rng)] for _ in range(2)]
     (got,) = harness.reduce(grads)
@@ -328,8 +328,8 @@ def test_powersgd_state_is_per_replica_and_accounts_for_what_was_not_sent(mirror
     harness = Harness(mirrored2, hook, shapes)
     grads = random_grads(shapes, 2, seed=20)
     results = harness.reduce(grads)
-    error = hook._state["error_0"]
-    q = hook._state["q_0"]
+    error = hook.state("error_0")
+    q = hook.state("q_0")
     for variable in hook.state_variables:
         assert not variable.trainable
         assert variable.synchronization == tf.VariableSynchronization.ON_READ
@@ -342,7 +342,7 @@ def test_powersgd_state_is_per_replica_and_accounts_for_what_was_not_sent(mirror
     # The warm-start Q is the same on every replica (shared seed, reduced Q).
     q_first, q_second = harness.local(q)
     np.testing.assert_array_equal(q_first, q_second)
-    assert [int(s) for s in harness.local(hook._step)] == [1, 1]
+    assert [int(s) for s in harness.local(hook.state("step"))] == [1, 1]
 
 
 def test_topk_residuals_are_per_replica_and_not_trainable(mirrored2):
@@ -364,7 +364,7 @@ def test_state_checkpoint_keeps_the_residual_total_and_the_shared_q(
     hook = PowerSGD(rank=1, start_step=0)
     harness = Harness(mirrored2, hook, shapes)
     harness.reduce(random_grads(shapes, 2, seed=22))
-    error, q = hook._state["error_0"], hook._state["q_0"]
+    error, q = hook.state("error_0"), hook.state("q_0")
     errors, q_before = harness.local(error), harness.local(q)[0]
     path = tf.train.Checkpoint(hook=hook).save(str(tmp_path / "ckpt"))
 

@@ -178,12 +178,12 @@ class ClippedSum(AllReduceHook):
 
     def build(self, variables):
         super().build(variables)
-        self.calls = self.add_state("calls", (), "int64", aggregation="first")
+        self.add_state("calls", (), "int64", aggregation="first", per_variable=False)
 
     def reduce(self, gradients, variables):
         gradients, _ = self.prepare(gradients, variables)
         clipped, _ = tf.clip_by_global_norm(gradients, self.clip_norm)
-        with tf.control_dependencies([self.calls.assign_add(1)]):
+        with tf.control_dependencies([self.state("calls").assign_add(1)]):
             return all_reduce_sum(clipped)
 
     def get_config(self):
@@ -198,7 +198,7 @@ def test_custom_hooks(reference_weights):
     hook = ClippedSum(clip_norm=1e3)  # never clips: the plain sum
     model, _ = fit_mlp(hook, mirrored(2))
     assert max_abs_diff(weights, model.get_weights()) < 1e-6
-    assert int(hook.calls.numpy()) == 8
+    assert int(hook.state("calls").numpy()) == 8
     clone = keras_dist.DistributedModel.from_config(model.get_config())
     assert isinstance(clone.all_reduce_hook, ClippedSum)
     assert clone.all_reduce_hook.clip_norm == 1e3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -92,7 +93,8 @@ class AllReduceHook(tf.Module):
     (`tf.distribute.MirroredStrategy` cannot trace it; `PowerSGD` shows how to
     branch through `merge_call` instead).
 
-    A subclass that defines `__init__` calls `super().__init__()` first.
+    A subclass that defines `__init__` calls `super().__init__()` first (a
+    hook whose `__init__` does not raises a `RuntimeError` saying so).
     Hooks are `tf.Module`s, so `name` is a reserved attribute.
 
     The call order is the design of PyTorch DDP communication hooks
@@ -104,14 +106,24 @@ class AllReduceHook(tf.Module):
        error-feedback residuals).
     2. `reduce(gradients, variables)` every update step, per replica.
        `gradients` may be a subset of the built variables' gradients (Keras
-       drops `None` gradients); look state up with `variable_index`.
+       drops `None` gradients): `prepare` checks them and returns each one's
+       index (`variable_index`); read state with `state(name)`.
     3. `stats()` any time after `build`: bytes sent in the last step.
 
     State made by `add_state` is per replica: each replica reads and writes
     its own copy, TensorFlow never mirrors or aggregates it during training,
-    and it is not trainable. The hook is a `tf.Module`, so
+    and it is not trainable. `state(name)` returns it, `state_names` lists
+    it. The hook is a `tf.Module`, so
     `tf.train.Checkpoint(hook=model.all_reduce_hook)` saves that state; see
     `add_state` for what a checkpoint holds.
+
+    A hook belongs to one model: it knows the variable objects it was built
+    for (not their names, which two models can share), and a hook with
+    per-variable state refuses another model's variables.
+
+    The built-in hooks use only this public surface (`prepare`,
+    `variable_specs`, `add_state`, `state`, the collective helpers); copy
+    `keras_dist.compression.casts` or `topk` as a template.
 
     Example:
 
@@ -134,11 +146,40 @@ class AllReduceHook(tf.Module):
         self._built = False
         # Bookkeeping lives in a namespace, out of `tf.Module`'s attribute
         # tracking (which would wrap its dicts for checkpointing); only the
-        # state variables in `_state` are checkpoint dependencies.
+        # state variables in `_state` are checkpoint dependencies, under
+        # the keys `_state/<name>`.
         self._book = types.SimpleNamespace(
-            specs=(), index_by_id={}, index_by_name={}, reduced=()
+            specs=(), variables=(), index_by_id={}, reduced=(), per_variable=set()
         )
         self._state = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def checked_init(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            if "_book" not in self.__dict__:
+                raise RuntimeError(_missing_super_init(type(self), cls))
+
+        cls.__init__ = checked_init
+
+    def __getattr__(self, name):
+        # Only reached when normal lookup fails: the base's attributes are
+        # missing when a subclass uses the hook before `super().__init__()`.
+        # Still an AttributeError, so `hasattr` and `getattr(..., default)`
+        # (which TensorFlow's tracking uses) behave as usual.
+        if "_book" not in self.__dict__:
+            raise AttributeError(
+                f"{_missing_super_init(type(self), type(self))} (Reading "
+                f"{name!r} before it.)"
+            )
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {name!r}"
+        )
 
     @property
     def built(self) -> bool:
@@ -154,6 +195,49 @@ class AllReduceHook(tf.Module):
     def state_variables(self) -> list:
         """The per-replica state variables made by `add_state`, in order."""
         return list(self._state.values())
+
+    @property
+    def reduced_indices(self) -> tuple:
+        """Indices into `variable_specs` of the last traced `reduce`.
+
+        Recorded by `prepare`; all built variables before the first one.
+        `stats` counts these.
+        """
+        return self._book.reduced
+
+    @property
+    def state_names(self) -> tuple:
+        """The names given to `add_state`, in order."""
+        return tuple(self._state)
+
+    def state(self, name):
+        """Returns the state variable made by `add_state(name, ...)`.
+
+        Read it with `.read_value()` and write it with `.assign(...)` inside
+        `reduce`: both touch this replica's copy only.
+
+        Args:
+            name: String. The name given to `add_state`.
+
+        Returns:
+            The per-replica `tf.Variable`.
+
+        Raises:
+            RuntimeError: the hook is not built (state is made in `build`).
+            KeyError: the hook has no state of that name.
+        """
+        if name in self._state:
+            return self._state[name]
+        if not self._built:
+            raise RuntimeError(
+                f"{type(self).__name__} has no state before `build`: state is "
+                f"made by `add_state` in `build`. Received: name={name!r}."
+            )
+        raise KeyError(
+            f"{type(self).__name__} has no state named {name!r}. Known names: "
+            f"{list(self._state)}. Create it with `add_state({name!r}, ...)` "
+            "in `build`."
+        )
 
     def build(self, variables) -> None:
         """Creates the hook's state for `variables` (trainable variables).
@@ -176,6 +260,7 @@ class AllReduceHook(tf.Module):
             )
         variables = list(variables)
         specs = []
+        index_by_id = {}
         for index, variable in enumerate(variables):
             dtype = tf.as_dtype(variable.dtype)
             name = _variable_name(variable)
@@ -190,13 +275,26 @@ class AllReduceHook(tf.Module):
             specs.append(
                 VariableSpec(name, tuple(int(d) for d in variable.shape), dtype)
             )
-            self._book.index_by_id[id(variable)] = index
-            self._book.index_by_name.setdefault(name, index)
+            index_by_id.setdefault(id(variable), index)
+        # The variables themselves, not their names, identify them: two
+        # models can have layers of the same names, and a hook built for
+        # one must not mistake the other's variables for its own. Holding
+        # them also keeps their `id`s from being reused.
+        self._book.variables = tuple(variables)
+        self._book.index_by_id = index_by_id
         self._book.specs = tuple(specs)
         self._book.reduced = tuple(range(len(specs)))
         self._built = True
 
-    def add_state(self, name, shape, dtype, initial_value=None, aggregation="sum"):
+    def add_state(
+        self,
+        name,
+        shape,
+        dtype,
+        initial_value=None,
+        aggregation="sum",
+        per_variable=True,
+    ):
         """Creates a per-replica, non-trainable state variable.
 
         Call it from `build` (cross-replica context, under the strategy
@@ -214,6 +312,8 @@ class AllReduceHook(tf.Module):
           replica. Use it for state that every replica keeps identical
           (step counters, PowerSGD's warm-start matrices).
 
+        Read it back in `reduce` with `state(name)`.
+
         Args:
             name: String. Unique name of the state within the hook, also its
                 key in checkpoints: derive it from the variable's index (as
@@ -225,6 +325,12 @@ class AllReduceHook(tf.Module):
                 on every replica. Defaults to `None`, zeros.
             aggregation: String, `"sum"` or `"first"`. See above. Defaults to
                 `"sum"`.
+            per_variable: Bool. Whether the state belongs to the variables
+                the hook was built for (residuals, factors), so the hook
+                cannot be rebuilt for other variables. `False` for state of
+                the hook as a whole (a step counter): it is kept when the
+                hook is rebuilt, and `add_state` with the same name, shape
+                and dtype returns the existing variable. Defaults to `True`.
 
         Returns:
             The new variable.
@@ -239,12 +345,13 @@ class AllReduceHook(tf.Module):
         class CountingSum(keras_dist.compression.AllReduceHook):
             def build(self, variables):
                 super().build(variables)
-                self.calls = self.add_state("calls", (), "int64",
-                                            aggregation="first")
+                self.add_state("calls", (), "int64", aggregation="first",
+                               per_variable=False)
 
             def reduce(self, gradients, variables):
                 gradients, _ = self.prepare(gradients, variables)
-                with tf.control_dependencies([self.calls.assign_add(1)]):
+                calls = self.state("calls")
+                with tf.control_dependencies([calls.assign_add(1)]):
                     return keras_dist.compression.base.all_reduce_sum(gradients)
         ```
         """
@@ -257,7 +364,16 @@ class AllReduceHook(tf.Module):
                 f"`aggregation` must be one of {sorted(aggregations)}. "
                 f"Received: aggregation={aggregation!r}."
             )
-        if name in self._state:
+        existing = self._state.get(name)
+        if (
+            existing is not None
+            and not per_variable
+            and name not in self._book.per_variable
+            and tuple(existing.shape) == tuple(shape)
+            and existing.dtype == tf.as_dtype(dtype)
+        ):
+            return existing
+        if existing is not None:
             raise ValueError(
                 f"`name` must be unique within the hook. Received: name={name!r} "
                 "twice. Add the variable's index to the name."
@@ -282,6 +398,8 @@ class AllReduceHook(tf.Module):
             aggregation=aggregations[aggregation],
         )
         self._state[name] = variable
+        if per_variable:
+            self._book.per_variable.add(name)
         return variable
 
     def knows(self, variable) -> bool:
@@ -289,36 +407,49 @@ class AllReduceHook(tf.Module):
         return self._lookup(variable) is not None
 
     def rebuild(self, variables) -> None:
-        """Builds a stateless hook again, for another set of variables.
+        """Builds a hook again, for another set of variables.
 
         keras_dist calls it when a model's trainable variables change
         (weights created later, `trainable` switched) and the hook keeps no
-        state. A hook with state (`add_state`) cannot move to other
+        per-variable state; state made with `per_variable=False` is kept. A
+        hook with per-variable state (`add_state`) cannot move to other
         variables: its state belongs to the old ones.
 
         Args:
             variables: List of the trainable variables, in gradient order.
 
         Raises:
-            RuntimeError: the hook has state.
+            RuntimeError: the hook has per-variable state.
         """
-        if self._state:
+        variables = list(variables)
+        if self._book.per_variable:
+            known = {spec.name for spec in self.variable_specs}
+            if {_variable_name(v) for v in variables} <= known:
+                reason = (
+                    "These are other variable objects with the same names: "
+                    "another model's (layers named alike), or the model was "
+                    "rebuilt."
+                )
+            else:
+                reason = (
+                    "Build the model fully before training (call it on a "
+                    "batch, or `fit` under a strategy scope)."
+                )
             raise RuntimeError(
                 f"{self!r} keeps state for the {len(self.variable_specs)} "
                 "variables it was built for and cannot be rebuilt for "
-                f"{len(list(variables))} others. Build the model fully before "
-                "training (call it on a batch, or `fit` under a strategy "
-                "scope), and give each model its own hook instance."
+                f"{len(variables)} others. {reason} Give each model its own "
+                "hook instance."
             )
         self._built = False
-        self._book.index_by_id.clear()
-        self._book.index_by_name.clear()
+        self._book.index_by_id = {}
+        self._book.variables = ()
         self.build(variables)
 
     def _lookup(self, variable):
         index = self._book.index_by_id.get(id(variable))
-        if index is None:
-            index = self._book.index_by_name.get(_variable_name(variable))
+        if index is None or self._book.variables[index] is not variable:
+            return None
         return index
 
     def variable_index(self, variable) -> int:
@@ -339,7 +470,8 @@ class AllReduceHook(tf.Module):
                 f"`variables` must be among the {len(self.variable_specs)} "
                 "variables the "
                 f"hook was built for. Received: variable "
-                f"{_variable_name(variable)!r}. Give each model its own hook "
+                f"{_variable_name(variable)!r}. The hook knows variables by "
+                "object, not by name: give each model its own hook "
                 "instance, and build it on the model's trainable variables."
             )
         return index
@@ -439,7 +571,7 @@ class AllReduceHook(tf.Module):
                 f"{type(self).__name__} has no statistics before `build`: build "
                 "the model's hook first (`model.build_all_reduce_hook()`)."
             )
-        indices = self._book.reduced
+        indices = self.reduced_indices
         raw = sum(self.variable_specs[i].nbytes for i in indices)
         return CompressionStats(raw_bytes=raw, sent_bytes=self.sent_bytes(indices))
 
@@ -656,6 +788,14 @@ def _group_by_dtype(tensors) -> dict:
     for index, tensor in enumerate(tensors):
         groups.setdefault(tensor.dtype, []).append(index)
     return groups
+
+
+def _missing_super_init(hook_class, defining_class) -> str:
+    return (
+        f"{hook_class.__name__} is not initialised: `{defining_class.__name__}"
+        ".__init__` must call `super().__init__()` before anything else, as "
+        "every `AllReduceHook` subclass does."
+    )
 
 
 def _variable_name(variable) -> str:

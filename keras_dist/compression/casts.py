@@ -5,19 +5,37 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_dist.compression.base import AllReduceHook, all_reduce_sum, replica_context
+from keras_dist.compression.base import (
+    AllReduceHook,
+    CompressionStats,
+    all_reduce_sum,
+    replica_context,
+)
 
 
 class _CastCompression(AllReduceHook):
     """Sums floating-point gradients in `wire_dtype`; others at full size.
 
     Each replica divides its gradient by the number of replicas before the
-    cast, so the collective adds up a mean, which cannot overflow the 16-bit
-    range when every gradient fits; the result is cast back and multiplied
-    by the number of replicas.
+    cast, so the collective adds up a mean; the result is cast back and
+    multiplied by the number of replicas. Where the wire dtype has a
+    narrower exponent range than the gradient (float16 for float32 and
+    float64, bfloat16 for float64), a sum that is not finite on the wire is
+    sent again at the gradient's own precision in the same step (a second
+    collective, on those steps only), and counted in `overflow_steps`.
     """
 
     wire_dtype: tf.DType
+
+    def build(self, variables) -> None:
+        super().build(variables)
+        if any(self._range_checked(spec.dtype) for spec in self.variable_specs):
+            # Identical on every replica (they see the same sums), so a
+            # checkpoint keeps replica 0's copy.
+            for name in ("overflow_steps", "overflowed"):
+                self.add_state(
+                    name, (), tf.int64, aggregation="first", per_variable=False
+                )
 
     def reduce(self, gradients, variables):
         gradients, _ = self.prepare(gradients, variables)
@@ -41,7 +59,57 @@ class _CastCompression(AllReduceHook):
             if num_replicas > 1:
                 value = value * tf.cast(num_replicas, gradient.dtype)
             result.append(value)
-        return result
+        checked = [i for i, g in enumerate(gradients) if self._range_checked(g.dtype)]
+        if not checked:
+            return result
+        return self._resend_if_overflowed(gradients, summed, result, checked)
+
+    def _resend_if_overflowed(self, gradients, summed, result, checked):
+        """Sums the `checked` gradients again at full size if any wire sum
+        is not finite; returns the result and updates the counters."""
+        overflowed = tf.logical_not(
+            tf.reduce_all(
+                [tf.reduce_all(tf.math.is_finite(summed[i])) for i in checked]
+            )
+        )
+
+        # The gradients go through `merge_call`'s arguments, not this
+        # closure: `choose` runs once, with one replica's closure.
+        def resend(gradients, result):
+            result = list(result)
+            full = all_reduce_sum([gradients[i] for i in checked])
+            for i, value in zip(checked, full):
+                result[i] = value
+            return result
+
+        # A collective inside a replica-context `tf.cond` cannot be traced
+        # under MirroredStrategy, so the branch is taken in cross-replica
+        # context (as in `PowerSGD`). Every replica saw the same sums, so
+        # replica 0's flag is every replica's.
+        def choose(strategy, overflowed, gradients, result):
+            def full():
+                return strategy.extended.call_for_each_replica(
+                    resend, args=(gradients, result)
+                )
+
+            def kept():
+                return strategy.extended.call_for_each_replica(
+                    lambda r: [tf.identity(t) for t in r], args=(result,)
+                )
+
+            flag = strategy.experimental_local_results(overflowed)[0]
+            return tf.cond(flag, full, kept)
+
+        result = list(
+            replica_context().merge_call(choose, args=(overflowed, gradients, result))
+        )
+        count = tf.cast(overflowed, tf.int64)
+        updates = [
+            self.state("overflowed").assign(count),
+            self.state("overflow_steps").assign_add(count),
+        ]
+        with tf.control_dependencies(updates):
+            return [tf.identity(r) for r in result]
 
     def _wire_dtype_for(self, dtype):
         """The dtype `dtype` travels in, or `None` for no compression."""
@@ -50,6 +118,54 @@ class _CastCompression(AllReduceHook):
         # 16-bit gradients already travel at 16 bits; re-casting a bfloat16
         # gradient to float16 (or back) would only lose range or precision.
         return self.wire_dtype if dtype.size > self.wire_dtype.size else dtype
+
+    def _range_checked(self, dtype) -> bool:
+        """Whether a `dtype` gradient's wire sum can overflow where it cannot."""
+        wire = self._wire_dtype_for(dtype)
+        return wire is not None and wire != dtype and wire.max < dtype.max / 2
+
+    @property
+    def overflow_steps(self) -> int:
+        """Steps whose 16-bit sum was not finite and was sent again at full
+        size (read eagerly; 0 before `build`)."""
+        if "overflow_steps" not in self.state_names:
+            return 0
+        return int(self.state("overflow_steps").numpy())
+
+    def stats(self) -> CompressionStats:
+        """Returns the byte accounting of the last step.
+
+        A step whose 16-bit sum overflowed also counts the full-size bytes
+        it sent again.
+        """
+        stats = super().stats()
+        if "overflowed" in self.state_names and self.state("overflowed").numpy():
+            return CompressionStats(
+                stats.raw_bytes, stats.sent_bytes + self._resent_bytes()
+            )
+        return stats
+
+    def compression_ratio(self):
+        stats = super().stats()
+        ratio = tf.constant(stats.ratio, tf.float32)
+        if "overflowed" not in self.state_names:
+            return ratio
+        resent = CompressionStats(
+            stats.raw_bytes, stats.sent_bytes + self._resent_bytes()
+        )
+        return tf.where(
+            self.state("overflowed").read_value() > 0,
+            tf.constant(resent.ratio, tf.float32),
+            ratio,
+        )
+
+    def _resent_bytes(self) -> int:
+        specs = self.variable_specs
+        return sum(
+            specs[i].nbytes
+            for i in self.reduced_indices
+            if self._range_checked(specs[i].dtype)
+        )
 
     def sent_bytes(self, indices) -> int:
         sent = 0

@@ -23,16 +23,19 @@ from keras_dist.compression.base import (
 class MatrixPlan:
     """How PowerSGD sends the gradient of one variable as two factors.
 
-    The gradient is viewed as a `rows x cols` matrix `M` with `cols` the last
-    axis (a Dense kernel `(in, out)` as it is; a conv kernel
-    `(kh, kw, in, out)` as `(kh*kw*in, out)`, the transpose of the paper's
-    `out x in*k*k`, which gives the same factors). PowerSGD sends
-    `P = M^T Q` (`cols x rank`) and `Q = M P` (`rows x rank`).
+    In the paper's notation the gradient is an `n x m` matrix `M` with `n`
+    the layer's output units (the variable's last axis) and `m` everything
+    else: a Dense kernel `(in, out)` is `M = kernel^T` (`out x in`), a conv
+    kernel `(kh, kw, in, out)` is `out x kh*kw*in`, as PyTorch's
+    `powerSGD_hook` views an `(out, in, kh, kw)` weight. keras_dist keeps
+    the gradient in Keras's layout, `M^T` (`rows x cols = m x n`), with no
+    copy. PowerSGD sends `P = M Q` (`n x rank`, that is `cols x rank`) and
+    `Q = M^T P` (`m x rank`, `rows x rank`).
 
     Attributes:
         index: Int. Position of the variable in `variable_specs`.
-        rows: Int.
-        cols: Int.
+        rows: Int. The paper's `m`: the product of all axes but the last.
+        cols: Int. The paper's `n`: the last axis (output units).
         rank: Int. Rank of the approximation, at most `min(rows, cols)`.
         dtype: `tf.DType` in which the factors are computed and sent
             (float32 for 16-bit gradients).
@@ -56,26 +59,28 @@ class PowerSGD(AllReduceHook):
 
     Implements Algorithm 1 of Vogels, Karimireddy and Jaggi, "PowerSGD:
     Practical Low-Rank Gradient Compression for Distributed Optimization",
-    NeurIPS 2019, with the error feedback of their Algorithm 2, for Keras.
-    Every gradient with two or more axes is viewed as a matrix `M` (the last
-    axis, a layer's output units, as columns; the other axes flattened as
-    rows). Starting from a `rows x rank` matrix `Q` that all replicas share,
-    one step of power iteration sends two small factors instead of `M`:
+    NeurIPS 2019, with the error feedback of their Algorithm 2, for Keras,
+    in the paper's names (and PyTorch's `powerSGD_hook`'s). Every gradient
+    with two or more axes is viewed as the paper's `n x m` matrix `M`: `n`
+    the layer's output units (the last axis), `m` the other axes flattened,
+    so a Dense kernel `(in, out)` gives `M = kernel^T` (see `MatrixPlan`).
+    Starting from an `m x rank` matrix `Q` that all replicas share, one step
+    of power iteration sends two thin factors instead of `M`:
 
     1. `M_i = gradient_i + error_i` on replica `i`;
-    2. `P = sum_i M_i^T Q` (all-reduce), orthonormalised by QR;
-    3. `Q = sum_i M_i P` (all-reduce);
-    4. the summed gradient is approximated by `Q P^T`, and each replica keeps
-       `error_i = M_i - Q P^T / num_replicas`, its share of what the sum did
+    2. `P = sum_i M_i Q` (`n x rank`, all-reduce), orthonormalised by QR;
+    3. `Q = sum_i M_i^T P` (`m x rank`, all-reduce);
+    4. the summed gradient is approximated by `P Q^T`, and each replica keeps
+       `error_i = M_i - P Q^T / num_replicas`, its share of what the sum did
        not send, so it is applied in a later step (as in PyTorch's
        `powerSGD_hook` and the paper's reference code; the errors add up
        to exactly the sum's approximation error).
 
-    Because `P` and `Q` are all-reduced with a sum (not a mean), `Q P^T`
+    Because `P` and `Q` are all-reduced with a sum (not a mean), `P Q^T`
     approximates the sum of the replicas' gradients directly; it is exact
     when that sum has rank at most `rank`. A matrix is compressed only when
     the factors are at least `min_compression_rate` times smaller than it,
-    `(rows + cols) * rank * min_compression_rate < rows * cols`; everything
+    `(n + m) * rank * min_compression_rate < n * m`; everything
     else (biases, BatchNormalization vectors, small matrices) is sent raw,
     bundled with the `P` factors into one collective per dtype, so a step
     costs two collective launches per dtype. Before `start_step`, every
@@ -93,11 +98,14 @@ class PowerSGD(AllReduceHook):
     136x and 72x fewer bytes at rank 1, 2 and 4. Start with `rank=2` or `4`;
     raise it if accuracy drops. `stats()` reports the ratio for your model.
 
-    State (all per replica, non-trainable): the error of each compressed
-    matrix (a checkpoint keeps the sum over replicas), the warm-start `Q`
-    and a step counter (identical on every replica; a checkpoint keeps
-    replica 0's). A non-finite error (a step that overflowed under loss
-    scaling) is reset to zero, and a non-finite or zero `Q` is not kept. Gradients
+    State (all per replica, non-trainable), read with `state(name)` and
+    saved under these names: `"error_<i>"`, the error of compressed
+    variable `i`, stored in Keras's layout (`m x n`; a checkpoint keeps the
+    sum over replicas); `"q_<i>"`, its warm-start `Q` (`m x rank`); and
+    `"step"`, a step counter (both identical on every replica; a checkpoint
+    keeps replica 0's). A non-finite error (a step that overflowed under
+    loss scaling) is reset to zero, and a non-finite or zero `Q` is not
+    kept. Gradients
     of 16-bit dtypes are compressed in float32, and their factors are sent
     in float32.
 
@@ -172,7 +180,6 @@ class PowerSGD(AllReduceHook):
             maximum=2**63 - 1,
             hint="It must fit in an int64.",
         )
-        self._book.plans = {}
 
     # --- Planning --------------------------------------------------------------
 
@@ -199,16 +206,19 @@ class PowerSGD(AllReduceHook):
     @property
     def matrix_plans(self) -> list:
         """The `MatrixPlan` of every compressed variable, in variable order."""
-        return [self._book.plans[i] for i in sorted(self._book.plans)]
+        plans = (self._plan(i) for i in range(len(self.variable_specs)))
+        return [plan for plan in plans if plan is not None]
+
+    def _plan(self, index) -> MatrixPlan | None:
+        return self.plan_for(self.variable_specs[index], index)
 
     def build(self, variables) -> None:
         super().build(variables)
-        self._step = self.add_state("step", (), tf.int64, aggregation="first")
+        self.add_state("step", (), tf.int64, aggregation="first")
         for index, spec in enumerate(self.variable_specs):
             plan = self.plan_for(spec, index)
             if plan is None:
                 continue
-            self._book.plans[index] = plan
             self.add_state(
                 _q_name(index),
                 (plan.rows, plan.rank),
@@ -232,7 +242,7 @@ class PowerSGD(AllReduceHook):
     def reduce(self, gradients, variables):
         gradients, indices = self.prepare(gradients, variables)
         ctx = replica_context()
-        step = self._step.assign_add(1) - 1
+        step = self.state("step").assign_add(1) - 1
         if self.start_step == 0:
             return self._reduce_compressed(gradients, indices, step)
 
@@ -259,7 +269,7 @@ class PowerSGD(AllReduceHook):
 
     def _reduce_compressed(self, gradients, indices, step):
         gradients = list(gradients)
-        plans = [self._book.plans.get(index) for index in indices]
+        plans = [self._plan(index) for index in indices]
         matrix_positions = [p for p, plan in enumerate(plans) if plan is not None]
         raw_positions = [p for p, plan in enumerate(plans) if plan is None]
 
@@ -270,19 +280,21 @@ class PowerSGD(AllReduceHook):
                 tf.cast(gradients[position], plan.dtype), (plan.rows, plan.cols)
             )
             if self.error_feedback:
-                matrix = matrix + self._state[_error_name(plan.index)].read_value()
+                matrix = matrix + self.state(_error_name(plan.index)).read_value()
             if self.warm_start:
-                q = self._state[_q_name(plan.index)].read_value()
+                q = self.state(_q_name(plan.index)).read_value()
             else:
                 q = self._initial_q(plan, step)
             matrices.append(matrix)
             qs.append(q)
 
-        # P^T = Q^T M: transposing the thin Q, not M, is several times faster
-        # than M^T Q on CPU.
+        # `matrices` hold M^T (Keras's layout, m x n). P = M Q is computed as
+        # P^T = Q^T M^T: transposing the thin Q, not M, is several times
+        # faster on CPU.
         local_pts = [tf.matmul(q, m, transpose_a=True) for m, q in zip(matrices, qs)]
         first = all_reduce_flat(local_pts + [gradients[p] for p in raw_positions])
         ps = _orthonormalize([tf.transpose(pt) for pt in first[: len(local_pts)]])
+        # Q = M^T P, with M^T as stored.
         local_qs = [tf.matmul(m, p) for m, p in zip(matrices, ps)]
         summed_qs = all_reduce_flat(local_qs)
 
@@ -294,6 +306,7 @@ class PowerSGD(AllReduceHook):
         for k, position in enumerate(matrix_positions):
             plan = plans[position]
             gradient = gradients[position]
+            # (P Q^T)^T = Q P^T, in Keras's layout.
             approx = tf.matmul(summed_qs[k], ps[k], transpose_b=True)
             result[position] = tf.cast(
                 tf.reshape(approx, gradient.shape), gradient.dtype
@@ -304,7 +317,7 @@ class PowerSGD(AllReduceHook):
                 share = approx / tf.cast(num_replicas, approx.dtype)
                 error = matrices[k] - share
                 updates.append(
-                    self._state[_error_name(plan.index)].assign(
+                    self.state(_error_name(plan.index)).assign(
                         zero_if_not_finite(error)
                     )
                 )
@@ -315,7 +328,7 @@ class PowerSGD(AllReduceHook):
                     tf.not_equal(summed_qs[k], 0)
                 )
                 updates.append(
-                    self._state[_q_name(plan.index)].assign(
+                    self.state(_q_name(plan.index)).assign(
                         tf.where(usable, summed_qs[k], qs[k])
                     )
                 )
@@ -331,7 +344,7 @@ class PowerSGD(AllReduceHook):
         """Number of `reduce` calls run so far (read eagerly)."""
         if not self.built:
             return 0
-        return int(self._step.numpy())
+        return int(self.state("step").numpy())
 
     def stats(self) -> CompressionStats:
         """Returns the byte accounting of the last step.
@@ -349,7 +362,7 @@ class PowerSGD(AllReduceHook):
         """Bytes sent by a compressed step for the gradients of `indices`."""
         sent = 0
         for index in indices:
-            plan = self._book.plans.get(index)
+            plan = self._plan(index)
             sent += (
                 self.variable_specs[index].nbytes if plan is None else plan.sent_bytes
             )
@@ -359,7 +372,7 @@ class PowerSGD(AllReduceHook):
         compressed = super().stats()
         if self.start_step == 0:
             return tf.constant(compressed.ratio, tf.float32)
-        last_step = tf.maximum(self._step.read_value() - 1, 0)
+        last_step = tf.maximum(self.state("step").read_value() - 1, 0)
         return tf.where(
             last_step >= self.start_step,
             tf.constant(compressed.ratio, tf.float32),

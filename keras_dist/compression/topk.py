@@ -78,7 +78,6 @@ class TopK(AllReduceHook):
             "`ratio=0.01`.",
         )
         self.error_feedback = check_bool("error_feedback", error_feedback)
-        self._book.residual_names = {}
 
     def build(self, variables) -> None:
         super().build(variables)
@@ -86,9 +85,7 @@ class TopK(AllReduceHook):
             return
         for index, spec in enumerate(self.variable_specs):
             if spec.dtype.is_floating:
-                name = f"residual_{index}"
-                self.add_state(name, spec.shape, spec.dtype)
-                self._book.residual_names[index] = name
+                self.add_state(_residual_name(index), spec.shape, spec.dtype)
 
     def k_for(self, spec) -> int:
         """Number of entries sent for the gradient of variable `spec`."""
@@ -148,8 +145,9 @@ class TopK(AllReduceHook):
         return result
 
     def _residual(self, index):
-        name = self._book.residual_names.get(index)
-        return None if name is None else self._state[name]
+        """The residual of variable `index`, or `None` without one."""
+        name = _residual_name(index)
+        return self.state(name) if name in self.state_names else None
 
     def sent_bytes(self, indices) -> int:
         # 16-bit values travel two to an int32 word; the odd one out of a
@@ -165,6 +163,10 @@ class TopK(AllReduceHook):
 
     def get_config(self) -> dict:
         return {"ratio": self.ratio, "error_feedback": self.error_feedback}
+
+
+def _residual_name(index) -> str:
+    return f"residual_{index}"
 
 
 # Below this size, one `tf.math.top_k` is fast enough.
