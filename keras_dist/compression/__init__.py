@@ -7,11 +7,12 @@ Every hook implements `AllReduceHook`; pass one to
 | hook | sends (float32 gradients) | exact? |
 | --- | --- | --- |
 | `NoCompression()` | everything | yes |
-| `FP16()`, `BF16()` | half | ~5e-4 / ~4e-3 relative, per element |
+| `FP16()`, `BF16()` | half (FP16: more on overflow) | ~5e-4 / ~4e-3 relative |
 | `TopK(ratio)` | `ratio` of the entries + their indices | with error feedback |
 | `PowerSGD(rank)` | two rank-`rank` factors per matrix | with error feedback |
 
-`hook.stats()` reports the bytes of the last step.
+`hook.stats()` reports the bytes of the last step; `hook.state(name)` returns
+the state a hook made with `add_state`.
 """
 
 from keras_dist.compression.base import AllReduceHook as AllReduceHook

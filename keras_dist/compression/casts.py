@@ -187,20 +187,28 @@ class FP16(_CastCompression):
     Horovod's `Compression.fp16` for Keras 3. Floating-point gradients wider
     than 16 bits are divided by the number of replicas, cast to float16,
     summed, cast back and multiplied by the number of replicas: the collective
-    adds a mean, so the sum cannot overflow float16 (max 65504) as long as
-    each replica's gradient fits. Integer gradients pass through at full
-    size, and float16/bfloat16 gradients are summed at their own precision.
+    adds a mean. Integer gradients pass through at full size, and
+    float16/bfloat16 gradients are summed at their own precision.
+
+    A float32 gradient beyond float16's range (65504) would become `inf` on
+    the wire. When any float16 sum of a step is not finite, those gradients
+    are sent again at their own precision in the same step (a second
+    collective, on such steps only), so the optimizer gets the exact sum;
+    `overflow_steps` (the state `"overflow_steps"`) counts those steps, and
+    `stats()` counts the bytes of both sends. Gradients that are themselves
+    non-finite stay non-finite (and are counted).
 
     The relative error per element is about float16's 2**-11 (~5e-4) for
     values in the normal range; values below ~6e-8 times the number of
     replicas flush to zero. Under `keras.mixed_precision` with a
     `LossScaleOptimizer`, the loss scale lifts small gradients out of that
-    range, and a gradient that overflows becomes `inf`, which the loss-scale
-    optimizer detects and skips, as it would without compression.
+    range, and a gradient that overflows is `inf` already, which the
+    loss-scale optimizer detects and skips, as it would without compression.
 
     Use it when the network, not compute, limits the step time (several
     machines on 1-10 Gbit/s Ethernet); on one machine the casts cost more than
-    they save. Prefer `BF16` when gradients span a wide range.
+    they save. Prefer `BF16` when gradients span a wide range; many overflow
+    steps mean FP16 saves nothing.
 
     Example:
 
@@ -220,10 +228,12 @@ class BF16(_CastCompression):
     """Sums gradients in bfloat16: half the bytes, float32's range.
 
     Like `FP16`, but the wire format is bfloat16 (8 exponent bits, 8
-    mantissa bits): it cannot overflow or underflow where float32 does not,
-    at a coarser relative precision of 2**-8 (~4e-3) per element. Gradients
-    are still divided by the number of replicas before the cast and
-    multiplied back after the sum.
+    significant bits): it has float32's exponent range, so a float32
+    gradient does not overflow it (float64 gradients are checked and sent
+    again as `FP16` does). The price is precision: 2**-8 (~4e-3) relative
+    per element, 2 to 3 decimal digits, and small entries summed with
+    large ones lose their low digits. Gradients are still divided by the
+    number of replicas before the cast and multiplied back after the sum.
 
     TensorFlow's NCCL all-reduce has no bfloat16 kernel: on GPUs, choose a
     cross-device implementation that has one (for example
