@@ -55,7 +55,8 @@ def find_max_batch_size(
         sample_batch_fn: Callable `batch_size -> batch`. Returns one global
             batch of `batch_size` examples (numpy arrays or tensors), as `fit`
             takes it: `x`, `(x, y)` or `(x, y, sample_weight)`. It is called
-            with `per_replica x num_replicas_in_sync`. Random data of the real
+            with `per_replica x num_replicas_in_sync`, and every array in
+            the batch must have that many rows. Random data of the real
             shapes is enough.
         initial_batch_size: Int >= 1. First per-replica batch size tried.
             Defaults to `1`.
@@ -80,7 +81,10 @@ def find_max_batch_size(
     Raises:
         TypeError: `model` is not a Keras model, a callable argument is not
             callable, or a size, the margin or `steps` is not a number.
-        ValueError: sizes, margin or steps out of range.
+        ValueError: sizes, margin or steps out of range, or
+            `sample_batch_fn(n)` returned a batch whose arrays do not all
+            have `n` rows (a search on a batch of fixed size measures
+            nothing).
         RuntimeError: the model is not compiled, or even `initial_batch_size`
             does not fit.
 
@@ -147,14 +151,14 @@ def find_max_batch_size(
     if not model.built or not model.optimizer.built:
         with strategy.scope():
             _compat.symbolic_build(
-                model, sample_batch_fn(initial_batch_size * replicas)
+                model, _sample(sample_batch_fn, initial_batch_size * replicas)
             )
     snapshot = _Snapshot(model)
 
     def fits(per_replica):
         ok = True
         try:
-            train_step_fn(sample_batch_fn(per_replica * replicas))
+            train_step_fn(_sample(sample_batch_fn, per_replica * replicas))
         except tf.errors.ResourceExhaustedError as error:
             ok = False
             logger.debug(
@@ -205,6 +209,35 @@ def find_max_batch_size(
         result,
     )
     return result
+
+
+def _sample(sample_batch_fn, batch_size):
+    """Returns `sample_batch_fn(batch_size)` after checking its batch dimension."""
+    batch = sample_batch_fn(batch_size)
+    for path, leaf in keras.tree.flatten_with_path(batch):
+        if leaf is None:
+            continue
+        shape = getattr(leaf, "shape", None)
+        rows = shape[0] if shape is not None and len(shape) else None
+        if rows is None and shape is not None and len(shape):
+            continue  # Unknown until run: nothing to check here.
+        if rows != batch_size:
+            where = "".join(f"[{key!r}]" for key in path) or " itself"
+            found = (
+                f"has shape {tuple(shape)}"
+                if shape is not None
+                else f"is a {type(leaf).__name__}, not an array"
+            )
+            raise ValueError(
+                f"`sample_batch_fn` must return a batch of exactly the "
+                f"`batch_size` examples it is asked for. Called with "
+                f"batch_size={batch_size}, it returned a batch whose "
+                f"element{where} {found}. Received: "
+                f"sample_batch_fn={sample_batch_fn!r}. Build the arrays "
+                "from the argument, e.g. `np.random.rand(batch_size, ...)`: "
+                "a batch of fixed size makes the search measure nothing."
+            )
+    return batch
 
 
 def _fit_step(model, steps):

@@ -222,3 +222,38 @@ def test_real_out_of_memory_search_on_gpu():
     assert 64 <= result < 1 << 16
     assert_same_state(weights, optimizer, model)
     model.fit(*conv_batch(result), epochs=1, verbose=0)  # the result trains
+
+
+def fixed_size_batch(batch_size):
+    """Ignores its argument: the bug `find_max_batch_size` must catch."""
+    return sample_batch(32)
+
+
+def test_sampler_must_return_the_batch_size_asked_for():
+    model = compile_model(mlp(), keras.optimizers.SGD(0.1))
+    step = OutOfMemoryAbove(model, threshold=1000, replicas=1)
+    with pytest.raises(
+        ValueError,
+        match=r"Called with batch_size=1, it returned a batch whose "
+        r"element\[0\] has shape \(32, 8\)\. Received: sample_batch_fn=",
+    ):
+        keras_dist.find_max_batch_size(model, fixed_size_batch, train_step_fn=step)
+    assert step.tried == []
+
+
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        ((np.zeros((4, 8)), np.zeros(3)), r"element\[1\] has shape \(3,\)"),
+        ({"x": np.zeros((4, 8)), "y": 1.0}, r"element\['y'\] is a float"),
+        (np.float32(1.0), r"element itself has shape \(\)"),
+    ],
+)
+def test_every_array_of_the_batch_is_checked(batch, match):
+    with pytest.raises(ValueError, match=match):
+        batch_size_lib._sample(lambda batch_size: batch, 4)
+
+
+def test_a_batch_of_the_right_size_passes_unchanged():
+    batch = (tf.zeros((4, 8)), np.zeros(4), None)
+    assert batch_size_lib._sample(lambda batch_size: batch, 4) is batch
