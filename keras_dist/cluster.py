@@ -20,12 +20,24 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import socket
+import struct
+import time
+from collections.abc import Sequence
 
-from keras_dist._validation import check_bool, check_int
+from keras_dist._validation import check_bool, check_int, check_real
+
+logger = logging.getLogger(__name__)
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+# The tasks that join a MultiWorkerMirroredStrategy's collectives.
+TRAINING_TASK_TYPES = ("chief", "worker")
+# Seconds between two rounds of `wait_for_cluster` probes, and at most per
+# connection attempt.
+_PROBE_INTERVAL = 0.25
+_CONNECT_TIMEOUT = 1.0
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -192,6 +204,7 @@ def parse_tf_config(text: str | None = None) -> dict | None:
             )
         for address in addresses:
             _check_address(task_type, address)
+    _check_unique_addresses(cluster)
     if len(cluster.get("chief", [])) > 1:
         raise ValueError(
             "TF_CONFIG's cluster may have at most one `chief`. "
@@ -239,6 +252,231 @@ def num_training_tasks(config: dict | None) -> int:
         return 0
     cluster = config["cluster"]
     return len(cluster.get("chief", [])) + len(cluster.get("worker", []))
+
+
+def wait_for_cluster(
+    cluster: dict[str, list[str]],
+    timeout: float,
+    task_type: str | None = None,
+    task_index: int = 0,
+    *,
+    task_types: Sequence[str] = TRAINING_TASK_TYPES,
+    log_interval: float = 15.0,
+) -> None:
+    """Waits until every other task of `cluster` answers on its address.
+
+    A multi-worker strategy waits inside TensorFlow, silently and without a
+    limit, for tasks that never start. This plain TCP probe runs first: it
+    connects to each other task's `host:port` until all of them accept, logs
+    a warning every `log_interval` seconds naming the tasks that have not
+    answered yet, and raises after `timeout` seconds.
+
+    A task's TensorFlow server only listens once its strategy is built, so
+    while this process waits it listens on its own address (`task_type`,
+    `task_index`) itself: tasks started at different times find each other
+    here instead of each waiting for the other's server. The listener is
+    closed before this returns, freeing the port for TensorFlow.
+
+    Args:
+        cluster: Dict. Task type -> list of `"host:port"` addresses, as in
+            `TF_CONFIG`.
+        timeout: Float. Seconds to wait at most, > 0.
+        task_type: String or `None`. This process's task type; `None` when
+            this process is not a task of `cluster` (it then only probes).
+            Defaults to `None`.
+        task_index: Int. This process's index within `task_type`. Defaults
+            to `0`.
+        task_types: Sequence of strings. The task types to wait for.
+            Defaults to `("chief", "worker")`, the tasks of a
+            `MultiWorkerMirroredStrategy`.
+        log_interval: Float. Seconds between two progress warnings, > 0.
+            Defaults to `15.0`.
+
+    Raises:
+        TypeError: `timeout` or `log_interval` is not a number.
+        ValueError: `timeout` or `log_interval` is not a finite number > 0.
+        RuntimeError: some task did not answer within `timeout`; the message
+            names each one, its address and the last connection error.
+    """
+    timeout = check_real(
+        "timeout", timeout, minimum=0, low_open=True, hint="It is in seconds."
+    )
+    log_interval = check_real(
+        "log_interval", log_interval, minimum=0, low_open=True, hint="It is in seconds."
+    )
+    own = (task_type, task_index)
+    pending = {
+        f"{kind}:{index}": address
+        for kind in task_types
+        for index, address in enumerate(cluster.get(kind, []))
+        if (kind, index) != own
+    }
+    if not pending:
+        return
+    listeners = []
+    if task_type is not None and task_index < len(cluster.get(task_type, [])):
+        listeners = _listen(cluster[task_type][task_index])
+    errors: dict[str, str] = {}
+    start = time.monotonic()
+    deadline = start + timeout
+    next_log = start + log_interval
+    try:
+        while True:
+            _answer_probes(listeners)
+            for name, address in list(pending.items()):
+                left = deadline - time.monotonic()
+                error = _connect(address, max(0.01, min(_CONNECT_TIMEOUT, left)))
+                if error is None:
+                    del pending[name]
+                else:
+                    errors[name] = error
+            now = time.monotonic()
+            if not pending:
+                logger.info(
+                    "All tasks of the cluster answered after %.1f s.", now - start
+                )
+                return
+            if now >= deadline:
+                raise RuntimeError(
+                    f"Timed out after {timeout:g} s waiting for the cluster to "
+                    f"start: {_describe_pending(pending, errors)} did not "
+                    f"answer. {_startup_hint(task_type, task_index)}Check that "
+                    "these addresses are right and reachable from here (host "
+                    "name, port, firewall), or allow more time with "
+                    "`auto_strategy(startup_timeout=...)` or the "
+                    "KERAS_DIST_STARTUP_TIMEOUT environment variable."
+                )
+            if now >= next_log:
+                logger.warning(
+                    "Still waiting for %d task(s) of the cluster after %.0f s "
+                    "(timeout %g s): %s.",
+                    len(pending),
+                    now - start,
+                    timeout,
+                    _describe_pending(pending, errors),
+                )
+                next_log = now + log_interval
+            time.sleep(min(_PROBE_INTERVAL, max(0.0, deadline - now)))
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def _startup_hint(task_type, task_index) -> str:
+    if task_type is None:
+        return ""
+    return (
+        f"This process is {task_type}:{task_index}. Start every task of the "
+        "cluster, each with the same cluster and its own `task`. "
+    )
+
+
+def _describe_pending(pending, errors) -> str:
+    return ", ".join(
+        f"{name} at {address} ({errors.get(name, 'not tried')})"
+        for name, address in pending.items()
+    )
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def _connect(address: str, timeout: float) -> str | None:
+    """Connects to `address` and hangs up; returns `None` or why it failed."""
+    try:
+        host, port = _split_address(address)
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as error:
+        return error.strerror or str(error) or type(error).__name__
+    return None
+
+
+def _listen(address: str) -> list[socket.socket]:
+    """Listens on this task's own address until its TensorFlow server does.
+
+    Binds the interfaces `address`'s host resolves to (loopback only for
+    `localhost`), or all interfaces when none of them is local (a name that
+    other hosts resolve to this one). Returns no listener when the port is
+    taken: TensorFlow will report that itself.
+    """
+    host, port = _split_address(address)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    listeners = []
+    not_local = 0
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            listener = socket.socket(family, kind, proto)
+        except OSError:
+            continue
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            listener.bind(sockaddr)
+            listener.listen(64)
+            listener.setblocking(False)
+        except OSError as error:
+            listener.close()
+            if error.errno == errno.EADDRNOTAVAIL:
+                not_local += 1
+            elif error.errno == errno.EADDRINUSE:
+                logger.debug("%s is already in use; not listening on it.", address)
+                for opened in listeners:
+                    opened.close()
+                return []
+            continue
+        listeners.append(listener)
+    if not listeners and infos and not_local == len(infos):
+        try:
+            listener = socket.create_server(("", port), reuse_port=False, backlog=64)
+        except OSError:
+            return []
+        listener.setblocking(False)
+        listeners.append(listener)
+    return listeners
+
+
+def _answer_probes(listeners) -> None:
+    """Accepts and drops the probes that reached this task's listeners."""
+    for listener in listeners:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                break
+            # Reset instead of a normal close: no TIME_WAIT left on the port
+            # TensorFlow binds next.
+            connection.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+            )
+            connection.close()
+
+
+def _check_unique_addresses(cluster: dict) -> None:
+    owners: dict[str, list[str]] = {}
+    for task_type, addresses in cluster.items():
+        for index, address in enumerate(addresses):
+            host, port = address.rsplit(":", 1)
+            key = f"{host.strip().lower()}:{int(port)}"
+            owners.setdefault(key, []).append(f"{task_type}:{index}")
+    for key, tasks in owners.items():
+        if len(tasks) > 1:
+            raise ValueError(
+                f"TF_CONFIG's cluster gives the address {key!r} to "
+                f"{len(tasks)} tasks ({', '.join(tasks)}). Every task needs its "
+                "own 'host:port': only one process can listen on it, and the "
+                "others would wait for a peer that never answers. Build the "
+                "cluster with `keras_dist.cluster.local_cluster(...)` or give "
+                "each task its own port."
+            )
 
 
 def _check_address(task_type: str, address: object) -> None:

@@ -18,6 +18,11 @@ Decision order:
 5. More than one GPU is visible: `MirroredStrategy`.
 6. Otherwise the default strategy, `tf.distribute.get_strategy()`.
 
+Multi-process strategies first wait, with a timeout, for every other task
+to answer on its address (`keras_dist.cluster.wait_for_cluster`): a task that
+never starts is reported by name instead of blocking TensorFlow's start-up
+silently and forever.
+
 Example:
 
 ```python
@@ -35,16 +40,21 @@ import dataclasses
 import logging
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Mapping
 
 import tensorflow as tf
 
 from keras_dist import cluster as cluster_lib
-from keras_dist._validation import check_int
+from keras_dist._validation import check_int, check_real
 
 logger = logging.getLogger(__name__)
 
 TPU_ENV_VARS = ("KERAS_DIST_TPU", "TPU_NAME", "COLAB_TPU_ADDR")
+STARTUP_TIMEOUT_ENV_VAR = "KERAS_DIST_STARTUP_TIMEOUT"
+# Seconds a multi-process strategy waits for the other tasks to start.
+DEFAULT_STARTUP_TIMEOUT = 300.0
 # Logical CPU devices `cpu_replicas` may ask for. Every one costs TensorFlow
 # thread pools and start-up time; thousands take minutes to create.
 MAX_CPU_REPLICAS = 256
@@ -174,13 +184,28 @@ def describe_choice(
     return StrategyChoice("DefaultStrategy", reason)
 
 
-def auto_strategy(cpu_replicas: int | None = None) -> tf.distribute.Strategy:
+def auto_strategy(
+    cpu_replicas: int | None = None, *, startup_timeout: float | None = None
+) -> tf.distribute.Strategy:
     """Builds the `tf.distribute` strategy that fits this environment.
 
     The decision is `describe_choice()` (see the module docstring for the
     order); it is logged at INFO level with its reason. Multi-process
     strategies are built with the matching cluster resolver
     (`TFConfigClusterResolver` or `SlurmClusterResolver`).
+
+    Before a `MultiWorkerMirroredStrategy` or `TPUStrategy` is built, every
+    other task (or the TPU) must answer on its address within
+    `startup_timeout` seconds; while waiting, a warning names the tasks
+    still missing every 15 s. TensorFlow itself would wait for a missing
+    worker forever, and silently.
+
+    TensorFlow's coordination service, started with a
+    `MultiWorkerMirroredStrategy`, replaces the SIGTERM handler with a
+    preemption notifier that only records the signal, so a worker would
+    ignore `kill` or a launcher stopping it. `auto_strategy` puts the
+    previous handler back (for most scripts: terminate), so SIGTERM ends
+    the worker at once, even inside a collective.
 
     `ParameterServerStrategy` is built only in the coordinator (the `chief`
     task); `worker` and `ps` tasks must run a `tf.distribute.Server` instead.
@@ -196,6 +221,11 @@ def auto_strategy(cpu_replicas: int | None = None) -> tf.distribute.Strategy:
             TensorFlow is already initialised with at least that many logical
             CPU devices, the first `cpu_replicas` are used. At most
             `MAX_CPU_REPLICAS` (256). Defaults to `None`.
+        startup_timeout: Float or `None`. Seconds a multi-process strategy
+            waits for the other tasks (or a TPU) to answer before raising.
+            `None` reads the `KERAS_DIST_STARTUP_TIMEOUT` environment
+            variable, and without it waits `DEFAULT_STARTUP_TIMEOUT` (300 s).
+            Defaults to `None`.
 
     Returns:
         A `tf.distribute.Strategy`.
@@ -203,12 +233,16 @@ def auto_strategy(cpu_replicas: int | None = None) -> tf.distribute.Strategy:
     Raises:
         ValueError: as `describe_choice` (malformed `TF_CONFIG`, bad
             `cpu_replicas`, ...), before TensorFlow sees the environment.
-        TypeError: `cpu_replicas` is not an int.
+        ValueError: `startup_timeout` or `KERAS_DIST_STARTUP_TIMEOUT` is
+            not a finite number > 0.
+        TypeError: `cpu_replicas` is not an int, or `startup_timeout` not a
+            number.
         RuntimeError: TensorFlow is already initialised with fewer logical
             CPU devices than `cpu_replicas` (call `auto_strategy` first); this
             process is a `worker` or `ps` task of a parameter-server cluster;
-            a SLURM job was not started with `srun`; or a configured TPU could
-            not be reached.
+            a SLURM job was not started with `srun`; some task of the cluster
+            did not answer within `startup_timeout` (the message names it and
+            its address); or a configured TPU could not be reached.
 
     Example:
 
@@ -224,25 +258,74 @@ def auto_strategy(cpu_replicas: int | None = None) -> tf.distribute.Strategy:
     ```
     """
     cpu_replicas = _check_cpu_replicas(cpu_replicas)
+    startup_timeout = check_real(
+        "startup_timeout",
+        startup_timeout,
+        minimum=0,
+        low_open=True,
+        allow_none=True,
+        hint=f"It is in seconds; `None` reads {STARTUP_TIMEOUT_ENV_VAR}.",
+    )
     choice = describe_choice(cpu_replicas=cpu_replicas)
     logger.info("auto_strategy chose %s: %s.", choice.name, choice.reason)
     if cpu_replicas is not None:
         return _cpu_mirrored(cpu_replicas)
     if choice.name == "TPUStrategy":
-        return _tpu_strategy(os.environ)
+        return _tpu_strategy(os.environ, _startup_timeout(startup_timeout))
     if choice.name == "ParameterServerStrategy":
         return _parameter_server_strategy()
     if choice.resolver == "SlurmClusterResolver":
-        return tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=_slurm_resolver(os.environ)
+        return _multi_worker(
+            _slurm_resolver(os.environ), _startup_timeout(startup_timeout)
         )
     if choice.name == "MultiWorkerMirroredStrategy":
-        return tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        return _multi_worker(
+            tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+            _startup_timeout(startup_timeout),
         )
     if choice.name == "MirroredStrategy":
         return tf.distribute.MirroredStrategy()
     return tf.distribute.get_strategy()
+
+
+def _startup_timeout(startup_timeout):
+    """Returns the start-up timeout: the argument, the variable or the default."""
+    if startup_timeout is not None:
+        return startup_timeout
+    text = os.environ.get(STARTUP_TIMEOUT_ENV_VAR, "").strip()
+    if not text:
+        return DEFAULT_STARTUP_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(
+            f"The environment variable {STARTUP_TIMEOUT_ENV_VAR} must be a "
+            "finite number of seconds > 0. Received: "
+            f"{STARTUP_TIMEOUT_ENV_VAR}={text!r}. Fix it, or unset it to wait "
+            f"{DEFAULT_STARTUP_TIMEOUT:g} s."
+        )
+    return value
+
+
+def _multi_worker(resolver, startup_timeout: float) -> tf.distribute.Strategy:
+    """Waits for the other tasks, then builds MultiWorkerMirroredStrategy."""
+    cluster_lib.wait_for_cluster(
+        resolver.cluster_spec().as_dict(),
+        startup_timeout,
+        resolver.task_type,
+        resolver.task_id,
+    )
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if in_main_thread else None
+    built = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    # TensorFlow's coordination service has installed a C handler that only
+    # records SIGTERM (a preemption notice), so the process would not stop.
+    # `previous` is `None` when Python did not know the handler before.
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+    return built
 
 
 def _cluster_choice(env, tf_config):
@@ -388,10 +471,16 @@ def _cpu_mirrored(cpu_replicas: int) -> tf.distribute.Strategy:
     )
 
 
-def _tpu_strategy(env) -> tf.distribute.Strategy:
+def _tpu_strategy(env, startup_timeout: float) -> tf.distribute.Strategy:
     variable, value, tpu = _tpu_target(env)
     try:
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
+        # Connecting to an address where no TPU answers blocks forever.
+        cluster_lib.wait_for_cluster(
+            resolver.cluster_spec().as_dict(),
+            startup_timeout,
+            task_types=sorted(resolver.cluster_spec().jobs),
+        )
         tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
     except Exception as error:

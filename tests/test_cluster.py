@@ -1,12 +1,15 @@
 """Tests for keras_dist.cluster: TF_CONFIG building and validation."""
 
 import json
+import logging
 import pathlib
 import re
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -295,3 +298,135 @@ def test_make_tf_config_validates():
         cluster.make_tf_config(spec, "worker", 2)
     with pytest.raises(ValueError, match=r"not in its cluster"):
         cluster.make_tf_config(spec, "chief", 0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "address", "tasks"),
+    [
+        (
+            {"worker": ["localhost:2001", "localhost:2001"]},
+            "localhost:2001",
+            "worker:0, worker:1",
+        ),
+        (
+            {"chief": ["Host-A:2000"], "worker": ["host-a:2000"]},
+            "host-a:2000",
+            "chief:0, worker:0",
+        ),
+        ({"worker": ["h:1"], "ps": ["h:2", "h:01"]}, "h:1", "worker:0, ps:1"),
+    ],
+)
+def test_parse_duplicate_addresses(spec, address, tasks):
+    with pytest.raises(
+        ValueError,
+        match=rf"gives the address '{address}' to 2 tasks \({tasks}\)\. Every "
+        r"task needs its own 'host:port'",
+    ):
+        cluster.parse_tf_config(_tf_config(spec, {"type": "worker", "index": 0}))
+
+
+# wait_for_cluster: plain sockets on localhost, no TensorFlow.
+
+
+def _listening_socket():
+    server = socket.create_server(("127.0.0.1", 0))
+    return server, f"localhost:{server.getsockname()[1]}"
+
+
+def test_wait_for_cluster_returns_when_every_peer_answers():
+    server, address = _listening_socket()
+    with server:
+        spec = {"chief": [address], "worker": [f"localhost:{cluster.free_ports(1)[0]}"]}
+        cluster.wait_for_cluster(spec, 5, "worker", 0)
+
+
+def test_wait_for_cluster_skips_other_task_types():
+    port = cluster.free_ports(1)[0]
+    spec = {"worker": [f"localhost:{port}"], "ps": [f"localhost:{port + 1}"]}
+    cluster.wait_for_cluster(spec, 5, "worker", 0)
+
+
+def test_wait_for_cluster_names_missing_tasks_and_logs_progress(caplog):
+    ports = cluster.free_ports(3)
+    spec = {"worker": [f"localhost:{port}" for port in ports]}
+    start = time.monotonic()
+    with (
+        caplog.at_level(logging.WARNING, logger="keras_dist.cluster"),
+        pytest.raises(
+            RuntimeError,
+            match=rf"Timed out after 1\.5 s waiting for the cluster to start: "
+            rf"worker:1 at localhost:{ports[1]} \(.*\), worker:2 at "
+            rf"localhost:{ports[2]} \(.*\) did not answer\. This process is "
+            r"worker:0\. Start every task .*startup_timeout=.*"
+            r"KERAS_DIST_STARTUP_TIMEOUT",
+        ),
+    ):
+        cluster.wait_for_cluster(spec, 1.5, "worker", 0, log_interval=0.5)
+    assert time.monotonic() - start < 5
+    assert "Still waiting for 2 task(s) of the cluster after" in caplog.text
+    assert f"worker:2 at localhost:{ports[2]}" in caplog.text
+
+
+def test_wait_for_cluster_outside_the_cluster_only_probes():
+    port = cluster.free_ports(1)[0]
+    with pytest.raises(RuntimeError, match=r"worker:0 at .* did not answer\. Check"):
+        cluster.wait_for_cluster({"worker": [f"localhost:{port}"]}, 0.5)
+
+
+def test_wait_for_cluster_tasks_started_apart_find_each_other():
+    # Each task's "TensorFlow server" (a plain listener here) starts only
+    # after its wait returns, as in `auto_strategy`: the stand-in listeners
+    # let tasks started at different times find each other instead of
+    # waiting for each other's servers.
+    spec = cluster.local_cluster(workers=3)
+    servers, errors = [], []
+    done = threading.Event()
+
+    def task(index, delay):
+        time.sleep(delay)
+        try:
+            cluster.wait_for_cluster(spec, 20, "worker", index)
+        except Exception as error:  # reported below
+            errors.append(error)
+            return
+        port = int(spec["worker"][index].rsplit(":", 1)[1])
+        with socket.create_server(("localhost", port)) as server:
+            servers.append(server)
+            done.wait(30)
+
+    threads = [
+        threading.Thread(target=task, args=(index, 1.5 * index)) for index in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while len(servers) + len(errors) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    done.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == []
+    assert len(servers) == 3
+
+
+def test_wait_for_cluster_works_when_its_own_port_is_taken():
+    server, address = _listening_socket()
+    with server:
+        peer, peer_address = _listening_socket()
+        with peer:
+            cluster.wait_for_cluster(
+                {"worker": [address, peer_address]}, 5, "worker", 0
+            )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"timeout": 0}, ValueError, r"`timeout` must be a finite number > 0"),
+        ({"timeout": "5"}, TypeError, r"timeout='5'"),
+        ({"timeout": 1, "log_interval": float("inf")}, ValueError, r"log_interval"),
+    ],
+)
+def test_wait_for_cluster_checks_its_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        cluster.wait_for_cluster({"worker": ["localhost:1"]}, **kwargs)

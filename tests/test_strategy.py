@@ -27,6 +27,7 @@ ENV_VARS = (
     "SLURM_STEP_NODELIST",
     "SLURM_STEP_TASKS_PER_NODE",
     *strategy.TPU_ENV_VARS,
+    strategy.STARTUP_TIMEOUT_ENV_VAR,
 )
 STRATEGY_CLASSES = (
     "MirroredStrategy",
@@ -73,10 +74,24 @@ def nothing_is_built(monkeypatch):
         monkeypatch.setattr(tf.distribute.cluster_resolver, name, forbidden)
 
 
+class Calls(list):
+    """Recorded strategy constructions; `waits`: `wait_for_cluster` calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits = []
+
+
 @pytest.fixture
 def recorded(monkeypatch):
-    """Replaces multi-process strategy classes with recorders."""
-    calls = []
+    """Replaces multi-process strategy classes and the start-up wait with
+    recorders."""
+    calls = Calls()
+    monkeypatch.setattr(
+        cluster,
+        "wait_for_cluster",
+        lambda *args, **kwargs: calls.waits.append((args, kwargs)),
+    )
 
     def recorder(name):
         def build(*args, **kwargs):
@@ -371,6 +386,52 @@ def test_multi_worker_from_tf_config(monkeypatch, clean_env, recorded):
     resolver = kwargs["cluster_resolver"]
     assert resolver.cluster_spec().as_dict() == TWO_WORKERS
     assert (resolver.task_type, resolver.task_id) == ("worker", 1)
+    assert recorded.waits == [((TWO_WORKERS, 300.0, "worker", 1), {})]
+
+
+def test_startup_timeout_argument_wins_over_variable(monkeypatch, clean_env, recorded):
+    monkeypatch.setenv("TF_CONFIG", _tf_config(TWO_WORKERS, "worker", 0))
+    monkeypatch.setenv(strategy.STARTUP_TIMEOUT_ENV_VAR, " 42.5 ")
+    strategy.auto_strategy()
+    strategy.auto_strategy(startup_timeout=np.float32(8))
+    assert [args[1] for args, _ in recorded.waits] == [42.5, 8.0]
+
+
+@pytest.mark.parametrize("text", ["soon", "0", "-3", "inf", "nan"])
+def test_startup_timeout_variable_is_checked(monkeypatch, clean_env, recorded, text):
+    monkeypatch.setenv("TF_CONFIG", _tf_config(TWO_WORKERS, "worker", 0))
+    monkeypatch.setenv(strategy.STARTUP_TIMEOUT_ENV_VAR, text)
+    with pytest.raises(
+        ValueError,
+        match=rf"KERAS_DIST_STARTUP_TIMEOUT must be a finite number of seconds "
+        rf"> 0\. Received: KERAS_DIST_STARTUP_TIMEOUT='{text}'",
+    ):
+        strategy.auto_strategy()
+    assert recorded == []
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(0, ValueError), (float("inf"), ValueError), ("8", TypeError)]
+)
+def test_startup_timeout_argument_is_checked(clean_env, value, error):
+    with pytest.raises(error, match=r"`startup_timeout` must be a finite number > 0"):
+        strategy.auto_strategy(startup_timeout=value)
+
+
+def test_unreachable_tpu_address_times_out(monkeypatch, clean_env):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("nothing answers there: no connection is made")
+
+    monkeypatch.setattr(tf.config, "experimental_connect_to_cluster", forbidden)
+    port = cluster.free_ports(1)[0]
+    monkeypatch.setenv("KERAS_DIST_TPU", f"grpc://localhost:{port}")
+    with pytest.raises(
+        RuntimeError,
+        match=rf"KERAS_DIST_TPU='grpc://localhost:{port}' is set, but no TPU could "
+        rf"be reached through it \(RuntimeError: Timed out after 1\.5 s waiting "
+        rf"for the cluster to start: worker:0 at localhost:{port} ",
+    ):
+        strategy.auto_strategy(startup_timeout=1.5)
 
 
 def test_parameter_server_on_chief(monkeypatch, clean_env, recorded, caplog):
@@ -438,6 +499,7 @@ def test_slurm_on_cpu_nodes(monkeypatch, clean_env, recorded):
     spec = resolver.cluster_spec().as_dict()
     assert spec == {"worker": ["localhost:8888", "localhost:8889"]}
     assert (resolver.task_type, resolver.task_id) == ("worker", 1)
+    assert recorded.waits == [((spec, 300.0, "worker", 1), {})]
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
 
 
