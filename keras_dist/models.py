@@ -839,10 +839,9 @@ def _is_functional_call(args, kwargs) -> bool:
 
 
 def _batch_size(x):
-    """The batch dimension of `x`: an int when static, else a tensor."""
+    """The batch dimension of `x` (a tensor; `x` may hold numpy arrays)."""
     first = next(t for t in keras.tree.flatten(x) if t is not None)
-    static = first.shape[0] if first.shape.rank else None
-    return int(static) if static is not None else tf.shape(first)[0]
+    return tf.shape(first)[0]
 
 
 def _flatten_logs(logs):
