@@ -19,6 +19,7 @@ cluster.parse_tf_config()                        # validated dict
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
 import logging
 import os
@@ -395,51 +396,55 @@ def _connect(address: str, timeout: float) -> str | None:
 
 
 def _listen(address: str) -> list[socket.socket]:
-    """Listens on this task's own address until its TensorFlow server does.
+    """Listens on this task's own port until its TensorFlow server does.
 
-    Binds the interfaces `address`'s host resolves to (loopback only for
-    `localhost`), or all interfaces when none of them is local (a name that
-    other hosts resolve to this one). Returns no listener when the port is
-    taken: TensorFlow will report that itself.
+    Binds where TensorFlow's server will: every interface, as other hosts
+    may reach this one by an address that differs from what its own host
+    name resolves to here (Debian maps it to 127.0.1.1). `localhost` or a
+    loopback IP (a local cluster) binds loopback only. Returns no listener
+    when the port is taken: TensorFlow reports that itself.
     """
     host, port = _split_address(address)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
         infos = []
+    loopback = bool(infos) and _is_loopback_name(host)
+    if loopback:
+        targets = [(family, sockaddr[:2]) for family, *_, sockaddr in infos]
+    elif socket.has_dualstack_ipv6():
+        targets = [(socket.AF_INET6, ("::", port))]
+    else:
+        targets = [(socket.AF_INET, ("", port))]
     listeners = []
-    not_local = 0
-    for family, kind, proto, _, sockaddr in infos:
+    for family, sockaddr in dict.fromkeys(targets):
         try:
-            listener = socket.socket(family, kind, proto)
-        except OSError:
-            continue
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            listener.bind(sockaddr)
-            listener.listen(64)
-            listener.setblocking(False)
+            listener = socket.create_server(
+                sockaddr,
+                family=family,
+                backlog=64,
+                dualstack_ipv6=not loopback and family == socket.AF_INET6,
+            )
         except OSError as error:
-            listener.close()
-            if error.errno == errno.EADDRNOTAVAIL:
-                not_local += 1
-            elif error.errno == errno.EADDRINUSE:
+            if error.errno == errno.EADDRINUSE:
                 logger.debug("%s is already in use; not listening on it.", address)
                 for opened in listeners:
                     opened.close()
                 return []
             continue
-        listeners.append(listener)
-    if not listeners and infos and not_local == len(infos):
-        try:
-            listener = socket.create_server(("", port), reuse_port=False, backlog=64)
-        except OSError:
-            return []
         listener.setblocking(False)
         listeners.append(listener)
     return listeners
+
+
+def _is_loopback_name(host: str) -> bool:
+    """`localhost` or a loopback IP; not a host name that maps to one here."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _answer_probes(listeners) -> None:

@@ -430,3 +430,33 @@ def test_wait_for_cluster_works_when_its_own_port_is_taken():
 def test_wait_for_cluster_checks_its_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         cluster.wait_for_cluster({"worker": ["localhost:1"]}, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("localhost", True),
+        ("LOCALHOST", True),
+        ("127.0.0.1", True),
+        ("::1", True),
+        ("10.0.0.5", False),
+        ("host-b", False),
+    ],
+)
+def test_only_loopback_addresses_keep_the_stand_in_listener_on_loopback(host, loopback):
+    # A host name may map to 127.0.1.1 here while the other hosts reach it
+    # by its real address: the stand-in listener must then bind every
+    # interface, as TensorFlow's server does.
+    assert cluster._is_loopback_name(host) is loopback
+
+
+def test_stand_in_listener_for_localhost_binds_loopback_only():
+    port = cluster.free_ports(1)[0]
+    listeners = cluster._listen(f"localhost:{port}")
+    try:
+        assert listeners
+        for listener in listeners:
+            assert listener.getsockname()[0] in ("127.0.0.1", "::1")
+    finally:
+        for listener in listeners:
+            listener.close()
