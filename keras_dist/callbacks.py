@@ -33,7 +33,12 @@ import tensorflow as tf
 from keras_dist import _compat, _gradient_statistics
 from keras_dist._fit_data import BatchesFitData
 from keras_dist._validation import check_bool, check_choice, check_int, check_real
-from keras_dist.noise_scale import NoiseScaleController, NoiseScaleMeasurement
+from keras_dist.noise_scale import (
+    NoiseScaleController,
+    NoiseScaleMeasurement,
+    check_ema_decay,
+    check_max_growth,
+)
 from keras_dist.noise_scale import estimate_noise as estimate_noise
 from keras_dist.optimizers import GradientAccumulationOptimizer, find_accumulator
 
@@ -369,21 +374,8 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         self.adaptive = adaptive
         self.max_batch_size = max_batch_size
         self.adapt_every = check_int("adapt_every", adapt_every, minimum=1)
-        self.ema_decay = check_real(
-            "ema_decay",
-            ema_decay,
-            minimum=0,
-            maximum=1,
-            high_open=True,
-            hint="0 uses each window alone; 0.9 averages over about 10 windows.",
-        )
-        self.max_growth = check_real(
-            "max_growth",
-            max_growth,
-            minimum=1,
-            low_open=True,
-            hint="2 lets one decision at most double the batch.",
-        )
+        self.ema_decay = check_ema_decay(ema_decay)
+        self.max_growth = check_max_growth(max_growth)
         self.verbose = check_int("verbose", verbose, minimum=0, maximum=1)
         # What survives across `fit` calls on one optimizer.
         self._run: _Run | None = None

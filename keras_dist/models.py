@@ -727,7 +727,11 @@ class DistributedModel(DistributedTrainerMixin, keras.Model):
         )
 
     def get_config(self):
-        config = super().get_config()
+        return self._with_hook_config(super().get_config())
+
+    def _with_hook_config(self, config):
+        # Only a hook the user gave: the default is recreated on load, and
+        # saving it would make it look user-given (see `_training_hook`).
         config["all_reduce_hook"] = keras.saving.serialize_keras_object(
             self._keras_dist_user_hook
         )
@@ -785,10 +789,7 @@ class WrappedModel(DistributedModel):
     def get_config(self):
         config = keras.Model.get_config(self)
         config["model"] = keras.saving.serialize_keras_object(self.model)
-        config["all_reduce_hook"] = keras.saving.serialize_keras_object(
-            self._keras_dist_user_hook
-        )
-        return config
+        return self._with_hook_config(config)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

@@ -188,21 +188,8 @@ class NoiseScaleController:
         self.max_batch_size = check_int(
             "max_batch_size", self.max_batch_size, minimum=1
         )
-        self.ema_decay = check_real(
-            "ema_decay",
-            self.ema_decay,
-            minimum=0,
-            maximum=1,
-            high_open=True,
-            hint="0 uses each window alone; 0.9 averages over about 10 windows.",
-        )
-        self.max_growth = check_real(
-            "max_growth",
-            self.max_growth,
-            minimum=1,
-            low_open=True,
-            hint="2 lets one decision at most double the batch.",
-        )
+        self.ema_decay = check_ema_decay(self.ema_decay)
+        self.max_growth = check_max_growth(self.max_growth)
 
     @property
     def noise_scale(self) -> float:
@@ -286,3 +273,27 @@ class NoiseScaleController:
             math.floor(accumulation_steps * self.max_growth),
         )
         return max(accumulation_steps, min(most, math.floor(noise_scale / unit)))
+
+
+def check_ema_decay(value) -> float:
+    """Checks the moving average's decay (shared with `AutoScaleBatch`)."""
+    return check_real(
+        "ema_decay",
+        value,
+        minimum=0,
+        maximum=1,
+        high_open=True,
+        hint="0 uses each window alone; 0.9 averages over about 10 windows.",
+    )
+
+
+def check_max_growth(value) -> float:
+    """Checks the largest batch growth per decision (shared with
+    `AutoScaleBatch`)."""
+    return check_real(
+        "max_growth",
+        value,
+        minimum=1,
+        low_open=True,
+        hint="2 lets one decision at most double the batch.",
+    )

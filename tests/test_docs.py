@@ -43,6 +43,10 @@ API_PAGES = {
         "keras_dist.callbacks.AutoScaleBatch",
         "keras_dist.callbacks.ScaledLearningRate",
     ],
+    "api/noise_scale/index.html": [
+        "keras_dist.noise_scale.NoiseScaleController",
+        "keras_dist.noise_scale.estimate_noise",
+    ],
     "api/batch_size/index.html": ["keras_dist.batch_size.find_max_batch_size"],
     "api/memory/index.html": ["keras_dist.memory.init_memory_growth"],
     "api/strategy/index.html": ["keras_dist.strategy.auto_strategy"],
