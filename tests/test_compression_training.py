@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import test_compression_workers as workers
+import workers
 from conftest import mirrored
 from helpers import compile_model, make_data, max_abs_diff, mlp
 
