@@ -22,22 +22,21 @@ tf.config.set_logical_device_configuration(
 _GPUS = tf.config.list_physical_devices("GPU")
 
 
-def mirrored(num_replicas):
-    """Returns a MirroredStrategy over `num_replicas` logical CPU devices."""
-    devices = [f"/cpu:{i}" for i in range(num_replicas)]
-    return tf.distribute.MirroredStrategy(
-        devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
-    )
+@pytest.fixture(scope="session")
+def mirrored():
+    """The factory `mirrored(num_replicas)` of MirroredStrategy on logical CPUs.
 
+    A test calls it for each strategy it needs (`mirrored(2)`); helpers take
+    the strategy as an argument.
+    """
 
-@pytest.fixture
-def mirrored2():
-    return mirrored(2)
+    def make(num_replicas):
+        devices = [f"/cpu:{i}" for i in range(num_replicas)]
+        return tf.distribute.MirroredStrategy(
+            devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
 
-
-@pytest.fixture
-def mirrored4():
-    return mirrored(4)
+    return make
 
 
 def pytest_collection_modifyitems(config, items):

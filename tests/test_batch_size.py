@@ -6,7 +6,6 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import mirrored
 from helpers import compile_model, make_data, mlp
 
 import keras_dist
@@ -66,7 +65,7 @@ def trained_model(strategy):
     return model
 
 
-def test_power_then_binary_search_with_margin_restores_state():
+def test_power_then_binary_search_with_margin_restores_state(mirrored):
     strategy = mirrored(2)
     model = trained_model(strategy)
     weights, optimizer = model.get_weights(), optimizer_state(model)
@@ -110,7 +109,7 @@ def test_numpy_sizes_and_margin_are_accepted():
     assert result == 20 and type(result) is int
 
 
-def test_default_step_trains_with_fit_and_leaves_no_trace():
+def test_default_step_trains_with_fit_and_leaves_no_trace(mirrored):
     # The real step (fit on the model's strategy) with Adam and accumulation:
     # weights, Adam moments, iterations and accumulators come back as they were.
     strategy = mirrored(2)
@@ -142,7 +141,7 @@ def test_unbuilt_model_is_built_before_the_search():
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
-def test_agreement_counts_every_replica():
+def test_agreement_counts_every_replica(mirrored):
     strategy = mirrored(2)
     assert batch_size_lib._all_workers_ok(strategy, True) is True
     assert batch_size_lib._all_workers_ok(strategy, False) is False

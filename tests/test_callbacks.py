@@ -11,7 +11,6 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import mirrored
 from helpers import compile_model, make_data, max_abs_diff, mlp
 
 import keras_dist
@@ -55,7 +54,7 @@ def distributed(strategy, make_optimizer, accumulation_steps=None):
 # --- Learning rate: exact schedule values ---
 
 
-def test_linear_warmup_steps_values_and_the_updates_use_them():
+def test_linear_warmup_steps_values_and_the_updates_use_them(mirrored):
     # 2 replicas x 8 = global 16, tuned for 8: linear factor 2, reached over 4
     # updates from the unscaled 0.1.
     x, y = make_data()
@@ -85,7 +84,7 @@ def test_linear_warmup_steps_values_and_the_updates_use_them():
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
 
 
-def test_sqrt_scaling_with_accumulation_and_warmup_epochs():
+def test_sqrt_scaling_with_accumulation_and_warmup_epochs(mirrored):
     # Global batch 4 x 2 replicas x 2 steps = 16, base 4: sqrt factor 2. One
     # warmup epoch of 64 / 8 = 8 micro-steps; the k-th update's cycle starts
     # at micro-step 2k, so its progress is 2k / 8.
@@ -229,7 +228,9 @@ def linear_model(strategy, weights, accumulation_steps, learning_rate=0.0):
 @pytest.mark.parametrize(
     ("per_replica", "accumulation_steps", "updates"), [(128, 1, 200), (64, 2, 150)]
 )
-def test_noise_scale_estimator_is_unbiased(per_replica, accumulation_steps, updates):
+def test_noise_scale_estimator_is_unbiased(
+    per_replica, accumulation_steps, updates, mirrored
+):
     # Learning rate 0 keeps the weights, so every update samples the same
     # known |G|^2 and tr(Sigma). The per-window estimates must average to the
     # truth within 4 standard errors (and 10%).
@@ -255,7 +256,7 @@ def test_noise_scale_estimator_is_unbiased(per_replica, accumulation_steps, upda
     assert autoscale.noise_scale == pytest.approx(b_simple, rel=0.25)
 
 
-def test_adaptive_grows_the_batch_toward_the_noise_scale():
+def test_adaptive_grows_the_batch_toward_the_noise_scale(mirrored):
     # B_simple = (n + 1) + n s^2 = 33 + 32 x 4 = 161 examples: with 16 x 2 =
     # 32 per micro-step, accumulation grows (1 -> 2 -> 4 -> ...) toward
     # floor(161 / 32) = 5. Decisions start after 10 windows of 10 updates.
@@ -276,7 +277,7 @@ def test_adaptive_grows_the_batch_toward_the_noise_scale():
     assert history.history["learning_rate"] == [0.0]
 
 
-def test_adaptive_stops_at_max_batch_size_and_scales_the_rate():
+def test_adaptive_stops_at_max_batch_size_and_scales_the_rate(mirrored):
     x, y, weights, _ = linear_regression(32 * 160, features=32, noise_variance=4.0)
     model = linear_model(mirrored(2), weights, 1, learning_rate=1e-4)
     autoscale = AutoScaleBatch(16, adaptive=True, max_batch_size=100, adapt_every=5)
@@ -306,7 +307,7 @@ def test_adaptive_stops_at_max_batch_size_and_scales_the_rate():
 # --- Batching ---
 
 
-def test_distributed_model_batches_arrays_and_unbatched_datasets():
+def test_distributed_model_batches_arrays_and_unbatched_datasets(mirrored):
     x, y = make_data()
     reference = distributed(mirrored(2), lambda: keras.optimizers.SGD(0.1))
     reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
@@ -319,7 +320,7 @@ def test_distributed_model_batches_arrays_and_unbatched_datasets():
         assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
 
 
-def test_distributed_model_batching_keeps_validation_split_and_shuffles():
+def test_distributed_model_batching_keeps_validation_split_and_shuffles(mirrored):
     x, y = make_data()
     model = distributed(mirrored(2), lambda: keras.optimizers.SGD(0.1))
     autoscale = AutoScaleBatch(4, lr_scaling=None)
@@ -335,7 +336,7 @@ def test_distributed_model_batching_keeps_validation_split_and_shuffles():
     assert not np.array_equal(first, second)  # reshuffled every epoch
 
 
-def test_distributed_model_batching_errors():
+def test_distributed_model_batching_errors(mirrored):
     x, y = make_data()
     model = distributed(mirrored(2), lambda: keras.optimizers.SGD(0.1))
     callbacks = [AutoScaleBatch(8)]
@@ -426,7 +427,7 @@ def test_numpy_scalars_are_accepted_as_python_numbers():
     assert autoscale.measurements == []
 
 
-def test_bad_setups_are_reported_when_fit_starts():
+def test_bad_setups_are_reported_when_fit_starts(mirrored):
     x, y = make_data()
     adaptive = AutoScaleBatch(8, adaptive=True, max_batch_size=64)
     model = distributed(mirrored(2), lambda: keras.optimizers.SGD(0.1))

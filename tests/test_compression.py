@@ -118,22 +118,22 @@ SHAPES = [(3, 3, 4, 16), (16,), (64, 48), (48,)]
 # --- Sums on 2 replicas -------------------------------------------------------
 
 
-def test_no_compression_is_the_exact_sum(mirrored2):
+def test_no_compression_is_the_exact_sum(mirrored):
     grads = random_grads(SHAPES, 2)
-    results = Harness(mirrored2, NoCompression(), SHAPES).reduce(grads)
+    results = Harness(mirrored(2), NoCompression(), SHAPES).reduce(grads)
     assert_same_on_replicas(results)
     for got, want in zip(results, exact_sum(grads)):
         np.testing.assert_array_equal(got[0], want)
 
 
 @pytest.mark.parametrize("hook_class, rtol", [(FP16, 1e-3), (BF16, 8e-3)])
-def test_casts_sum_within_half_precision_tolerance(mirrored2, hook_class, rtol):
+def test_casts_sum_within_half_precision_tolerance(mirrored, hook_class, rtol):
     shapes = [*SHAPES, (5,)]
     dtypes = ["float32"] * len(SHAPES) + ["int32"]
     grads = random_grads(shapes[:-1], 2)
     grads[0].append(np.arange(5, dtype="int32"))
     grads[1].append(np.arange(5, dtype="int32") * 1000)
-    results = Harness(mirrored2, hook_class(), shapes, dtypes).reduce(grads)
+    results = Harness(mirrored(2), hook_class(), shapes, dtypes).reduce(grads)
     assert_same_on_replicas(results)
     want = exact_sum(grads)
     for got, expected in zip(results[:-1], want[:-1]):
@@ -147,17 +147,17 @@ def test_casts_sum_within_half_precision_tolerance(mirrored2, hook_class, rtol):
     np.testing.assert_array_equal(results[-1][0], want[-1])
 
 
-def test_fp16_divides_before_the_sum_so_it_cannot_overflow(mirrored2):
+def test_fp16_divides_before_the_sum_so_it_cannot_overflow(mirrored):
     # Each replica's 60000 fits in float16 (max 65504), their sum does not.
     grads = [[np.full((4,), 60000.0, "float32")] for _ in range(2)]
-    (got,) = Harness(mirrored2, FP16(), [(4,)]).reduce(grads)
+    (got,) = Harness(mirrored(2), FP16(), [(4,)]).reduce(grads)
     np.testing.assert_allclose(got[0], 120000.0, rtol=1e-3)
 
 
-def test_topk_ratio_one_is_exact(mirrored2):
+def test_topk_ratio_one_is_exact(mirrored):
     grads = random_grads(SHAPES, 2, seed=3)
     hook = TopK(ratio=1.0)
-    harness = Harness(mirrored2, hook, SHAPES)
+    harness = Harness(mirrored(2), hook, SHAPES)
     results = harness.reduce(grads)
     assert_same_on_replicas(results)
     for got, want in zip(results, exact_sum(grads)):
@@ -168,9 +168,9 @@ def test_topk_ratio_one_is_exact(mirrored2):
             assert not value.any()
 
 
-def test_topk_sends_each_replicas_largest_entries_and_keeps_the_rest(mirrored2):
+def test_topk_sends_each_replicas_largest_entries_and_keeps_the_rest(mirrored):
     hook = TopK(ratio=0.25)  # k = 2 of 8
-    harness = Harness(mirrored2, hook, [(8,)])
+    harness = Harness(mirrored(2), hook, [(8,)])
     grads = [
         [np.array([1, -5, 2, 0.5, 3, 0, 0, 0], "float32")],
         [np.array([0, 0, 4, 0, -1, 0, 6, 0.1], "float32")],
@@ -187,7 +187,7 @@ def test_topk_sends_each_replicas_largest_entries_and_keeps_the_rest(mirrored2):
     np.testing.assert_allclose(got[0], [1, 0, 2, 0, -1, 0, 0, 0.1])
 
 
-def test_topk_on_half_precision_and_float64_gradients(mirrored2):
+def test_topk_on_half_precision_and_float64_gradients(mirrored):
     shapes = [(7,), (9,), (6,)]
     dtypes = ["float16", "bfloat16", "float64"]
     rng = np.random.default_rng(4)
@@ -200,7 +200,7 @@ def test_topk_on_half_precision_and_float64_gradients(mirrored2):
     ]
     for replica in grads:
         replica[1] = tf.constant(replica[1], "bfloat16").numpy()
-    results = Harness(mirrored2, TopK(ratio=1.0), shapes, dtypes).reduce(grads)
+    results = Harness(mirrored(2), TopK(ratio=1.0), shapes, dtypes).reduce(grads)
     for got, want in zip(results, exact_sum(grads)):
         assert got[0].dtype == want.dtype
         np.testing.assert_allclose(
@@ -230,11 +230,11 @@ def low_rank(rows, cols, rank, rng):
     )
 
 
-def test_powersgd_is_exact_on_low_rank_sums_and_raw_tensors(mirrored2):
+def test_powersgd_is_exact_on_low_rank_sums_and_raw_tensors(mirrored):
     rng = np.random.default_rng(5)
     shapes = [(3, 3, 4, 16), (16,), (64, 48), (4, 3)]
     hook = PowerSGD(rank=2, start_step=0, min_compression_rate=1)
-    harness = Harness(mirrored2, hook, shapes)
+    harness = Harness(mirrored(2), hook, shapes)
     # Compressed: the conv kernel (36 x 16) and the (64, 48) kernel. The
     # (4, 3) kernel at rank 2 would not shrink, so it is sent raw.
     assert [p.index for p in hook.matrix_plans] == [0, 2]
@@ -263,11 +263,11 @@ def test_powersgd_is_exact_on_low_rank_sums_and_raw_tensors(mirrored2):
             np.testing.assert_array_equal(results[position][0], want[position])
 
 
-def test_powersgd_full_rank_request_sends_raw_and_is_exact(mirrored2):
+def test_powersgd_full_rank_request_sends_raw_and_is_exact(mirrored):
     # rank >= min(rows, cols): the factors could not be smaller than the
     # matrix, so PowerSGD sends it raw.
     hook = PowerSGD(rank=8, start_step=0, min_compression_rate=1)
-    harness = Harness(mirrored2, hook, [(8, 6), (3, 3, 2, 4)])
+    harness = Harness(mirrored(2), hook, [(8, 6), (3, 3, 2, 4)])
     assert hook.matrix_plans == []
     grads = random_grads([(8, 6), (3, 3, 2, 4)], 2, seed=6)
     for got, want in zip(harness.reduce(grads), exact_sum(grads)):
@@ -275,10 +275,10 @@ def test_powersgd_full_rank_request_sends_raw_and_is_exact(mirrored2):
     assert hook.stats().ratio == 1.0
 
 
-def test_powersgd_before_start_step_is_the_plain_sum(mirrored2):
+def test_powersgd_before_start_step_is_the_plain_sum(mirrored):
     shapes = [(64, 48), (48,)]
     hook = PowerSGD(rank=1, start_step=2)
-    harness = Harness(mirrored2, hook, shapes)
+    harness = Harness(mirrored(2), hook, shapes)
     assert hook.stats().ratio == 1.0  # the first step will send raw
     for step in range(3):
         grads = random_grads(shapes, 2, seed=10 + step)
@@ -305,12 +305,12 @@ def test_powersgd_before_start_step_is_the_plain_sum(mirrored2):
     assert hook.steps == 3
 
 
-def test_powersgd_recovers_after_a_zero_gradient(mirrored2):
+def test_powersgd_recovers_after_a_zero_gradient(mirrored):
     """A zero step must not leave a zero warm-start Q behind (which would
     make every later approximation zero)."""
     shapes = [(32, 24)]
     hook = PowerSGD(rank=2, start_step=0, error_feedback=False)
-    harness = Harness(mirrored2, hook, shapes)
+    harness = Harness(mirrored(2), hook, shapes)
     harness.reduce([[np.zeros((32, 24), "float32")] for _ in range(2)])
     assert np.any(harness.local(hook.state("q_0"))[0])
     rng = np.random.default_rng(30)
@@ -322,10 +322,10 @@ def test_powersgd_recovers_after_a_zero_gradient(mirrored2):
 # --- Per-replica state --------------------------------------------------------
 
 
-def test_powersgd_state_is_per_replica_and_accounts_for_what_was_not_sent(mirrored2):
+def test_powersgd_state_is_per_replica_and_accounts_for_what_was_not_sent(mirrored):
     shapes = [(32, 24), (24,)]
     hook = PowerSGD(rank=1, start_step=0)
-    harness = Harness(mirrored2, hook, shapes)
+    harness = Harness(mirrored(2), hook, shapes)
     grads = random_grads(shapes, 2, seed=20)
     results = harness.reduce(grads)
     error = hook.state("error_0")
@@ -345,9 +345,9 @@ def test_powersgd_state_is_per_replica_and_accounts_for_what_was_not_sent(mirror
     assert [int(s) for s in harness.local(hook.state("step"))] == [1, 1]
 
 
-def test_topk_residuals_are_per_replica_and_not_trainable(mirrored2):
+def test_topk_residuals_are_per_replica_and_not_trainable(mirrored):
     hook = TopK(ratio=0.1)
-    harness = Harness(mirrored2, hook, [(10, 10)])
+    harness = Harness(mirrored(2), hook, [(10, 10)])
     harness.reduce(random_grads([(10, 10)], 2, seed=21))
     (residual,) = hook.state_variables
     assert not residual.trainable
@@ -357,12 +357,10 @@ def test_topk_residuals_are_per_replica_and_not_trainable(mirrored2):
     assert np.count_nonzero(first) == 90 and np.count_nonzero(second) == 90
 
 
-def test_state_checkpoint_keeps_the_residual_total_and_the_shared_q(
-    tmp_path, mirrored2
-):
+def test_state_checkpoint_keeps_the_residual_total_and_the_shared_q(tmp_path, mirrored):
     shapes = [(32, 24)]
     hook = PowerSGD(rank=1, start_step=0)
-    harness = Harness(mirrored2, hook, shapes)
+    harness = Harness(mirrored(2), hook, shapes)
     harness.reduce(random_grads(shapes, 2, seed=22))
     error, q = hook.state("error_0"), hook.state("q_0")
     errors, q_before = harness.local(error), harness.local(q)[0]
@@ -600,8 +598,8 @@ def test_unsupported_variable_dtypes_are_refused_at_build(hook, dtype):
 
 
 @pytest.mark.parametrize("hook", all_hooks(), ids=hook_id)
-def test_unsupported_gradient_dtypes_fail_before_any_collective(mirrored2, hook):
-    harness = Harness(mirrored2, hook, [(4, 4)])
+def test_unsupported_gradient_dtypes_fail_before_any_collective(mirrored, hook):
+    harness = Harness(mirrored(2), hook, [(4, 4)])
     grads = [[np.zeros((4, 4), "complex64")] for _ in range(2)]
     with pytest.raises(
         ValueError, match=r"`gradients` must have one of the dtypes.*complex64"
@@ -644,8 +642,9 @@ def test_indexed_slices_gradients(hook):
         np.testing.assert_allclose(dense.numpy(), tf.convert_to_tensor(sparse))
 
 
-def test_no_compression_sums_sparse_gradients_over_replicas(mirrored2):
-    with mirrored2.scope():
+def test_no_compression_sums_sparse_gradients_over_replicas(mirrored):
+    strategy = mirrored(2)
+    with strategy.scope():
         variables = [tf.Variable(tf.zeros((6, 4)))]
         hook = NoCompression()
         hook.build(variables)
@@ -658,7 +657,7 @@ def test_no_compression_sums_sparse_gradients_over_replicas(mirrored2):
         assert isinstance(reduced, tf.IndexedSlices)
         return tf.convert_to_tensor(reduced)
 
-    result = mirrored2.experimental_local_results(mirrored2.run(tf.function(step)))
+    result = strategy.experimental_local_results(strategy.run(tf.function(step)))
     expected = np.zeros((6, 4), "float32")
     expected[:2] = 1.0
     for value in result:

@@ -7,7 +7,6 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import mirrored
 from test_compression import Harness, exact_sum, random_grads
 
 import keras_dist
@@ -23,10 +22,10 @@ from keras_dist.compression import (
 # --- FP16: sums beyond float16's range ----------------------------------------
 
 
-def test_fp16_sum_beyond_float16_range_is_sent_again_in_float32(mirrored2):
+def test_fp16_sum_beyond_float16_range_is_sent_again_in_float32(mirrored):
     shapes = [(4, 3), (3,)]
     hook = FP16()
-    harness = Harness(mirrored2, hook, shapes)
+    harness = Harness(mirrored(2), hook, shapes)
     grads = random_grads(shapes, 2, seed=1)
     results = harness.reduce(grads)
     assert hook.overflow_steps == 0
@@ -53,10 +52,10 @@ def test_fp16_sum_beyond_float16_range_is_sent_again_in_float32(mirrored2):
     assert hook.state_names == ("overflow_steps", "overflowed")
 
 
-def test_fp16_keeps_non_finite_gradients_non_finite(mirrored2):
+def test_fp16_keeps_non_finite_gradients_non_finite(mirrored):
     """A loss-scale overflow must still reach the LossScaleOptimizer."""
     hook = FP16()
-    harness = Harness(mirrored2, hook, [(3,)])
+    harness = Harness(mirrored(2), hook, [(3,)])
     grads = [[np.array([1.0, np.inf, 2.0], "float32")], [np.ones(3, "float32")]]
     (got,) = harness.reduce(grads)
     assert np.isinf(got[0][1])
@@ -78,13 +77,13 @@ def test_bf16_and_16_bit_gradients_need_no_range_check():
     assert bf16_64.state_names == ("overflow_steps", "overflowed")
 
 
-def _fit_on_huge_targets(hook):
-    """A DistributedModel on 2 replicas whose gradients exceed float16's range."""
+def _fit_on_huge_targets(strategy, hook):
+    """A DistributedModel under `strategy` whose gradients exceed float16's range."""
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     x = rng.uniform(size=(64, 8)).astype("float32")
     y = np.full((64, 1), 1e6, "float32")
-    with mirrored(2).scope():
+    with strategy.scope():
         inputs = keras.Input((8,))
         hidden = keras.layers.Dense(16)(inputs)
         model = keras_dist.DistributedModel(
@@ -95,12 +94,12 @@ def _fit_on_huge_targets(hook):
     return model, history
 
 
-def test_fp16_training_on_targets_of_1e6_stays_finite():
+def test_fp16_training_on_targets_of_1e6_stays_finite(mirrored):
     """Gradients near 1e7: float16 alone overflowed to inf and NaN weights."""
-    reference, _ = _fit_on_huge_targets(NoCompression())
+    reference, _ = _fit_on_huge_targets(mirrored(2), NoCompression())
     assert all(np.all(np.isfinite(w)) for w in reference.get_weights())
     hook = FP16()
-    model, history = _fit_on_huge_targets(hook)
+    model, history = _fit_on_huge_targets(mirrored(2), hook)
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
     assert np.all(np.isfinite(history.history["loss"]))
     assert hook.overflow_steps == 8  # every step was sent again in float32
@@ -112,9 +111,9 @@ def test_fp16_training_on_targets_of_1e6_stays_finite():
 # --- Non-finite error-feedback residuals --------------------------------------
 
 
-def test_topk_residual_that_becomes_non_finite_is_reset(mirrored2):
+def test_topk_residual_that_becomes_non_finite_is_reset(mirrored):
     hook = TopK(ratio=0.25)
-    harness = Harness(mirrored2, hook, [(8,)])
+    harness = Harness(mirrored(2), hook, [(8,)])
     poisoned = np.arange(1, 9, dtype="float32")
     # top-k sends NaN first; with more NaNs than k = 2, one stays unsent.
     poisoned[:3] = np.nan
@@ -127,9 +126,9 @@ def test_topk_residual_that_becomes_non_finite_is_reset(mirrored2):
     assert np.all(np.isfinite(got[0]))
 
 
-def test_powersgd_error_that_becomes_non_finite_is_reset(mirrored2):
+def test_powersgd_error_that_becomes_non_finite_is_reset(mirrored):
     hook = PowerSGD(rank=1, start_step=0)
-    harness = Harness(mirrored2, hook, [(16, 12)])
+    harness = Harness(mirrored(2), hook, [(16, 12)])
     grads = random_grads([(16, 12)], 2, seed=5)
     grads[0][0][3, 4] = np.inf
     harness.reduce(grads)
@@ -153,7 +152,7 @@ def _named_model(hook):
 
 
 @pytest.mark.parametrize("hook", [TopK(ratio=0.5), PowerSGD(rank=1, start_step=0)])
-def test_one_hook_on_two_models_with_the_same_layer_names_fails(hook):
+def test_one_hook_on_two_models_with_the_same_layer_names_fails(hook, mirrored):
     x = np.ones((8, 4), "float32")
     y = np.ones((8, 1), "float32")
     strategy = mirrored(2)
@@ -183,7 +182,9 @@ def test_same_name_variables_are_told_apart():
         hook.rebuild(other)
 
 
-def test_custom_loop_and_checkpoint_restore_use_the_models_own_variables(tmp_path):
+def test_custom_loop_and_checkpoint_restore_use_the_models_own_variables(
+    tmp_path, mirrored
+):
     """The variables `apply_gradients` sees in replica context are the ones
     the hook was built for (no name matching needed), and a restored model
     builds its own hook on its own variables."""
@@ -314,7 +315,7 @@ def test_subclass_of_a_builtin_hook_is_checked_at_its_own_level():
 # --- PowerSGD in the paper's notation -----------------------------------------
 
 
-def test_powersgd_p_and_q_follow_the_paper(mirrored2):
+def test_powersgd_p_and_q_follow_the_paper(mirrored):
     """Algorithm 1 of Vogels et al. (2019) and PyTorch's `powerSGD_hook`,
     written out in NumPy with the paper's `n x m` matrix M (`n` the output
     units): P = M Q (n x r), orthogonalise P, Q = M^T P (m x r), the sum is
@@ -322,7 +323,7 @@ def test_powersgd_p_and_q_follow_the_paper(mirrored2):
     `(in, out)` in Keras, so M is its transpose."""
     fan_in, units, rank = 20, 6, 2
     hook = PowerSGD(rank=rank, start_step=0, error_feedback=False)
-    harness = Harness(mirrored2, hook, [(fan_in, units)])
+    harness = Harness(mirrored(2), hook, [(fan_in, units)])
     (plan,) = hook.matrix_plans
     assert (plan.rows, plan.cols) == (fan_in, units)  # m, n
     q = harness.local(hook.state("q_0"))[0]

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import workers
-from conftest import mirrored
 from helpers import compile_model, make_data, max_abs_diff, mlp
 
 import keras_dist
@@ -38,7 +37,7 @@ def fit_mlp(hook, strategy, epochs=2, optimizer=None):
 
 
 @pytest.fixture(scope="module")
-def reference_weights():
+def reference_weights(mirrored):
     """Weights and losses of 2 epochs (8 SGD steps) uncompressed on 2 replicas."""
     model, history = fit_mlp(NoCompression(), mirrored(2))
     return model.get_weights(), history.history["loss"]
@@ -48,7 +47,7 @@ def reference_weights():
     "hook_class, weight_tolerance, loss_rtol", [(FP16, 1e-4, 1e-5), (BF16, 1e-3, 1e-4)]
 )
 def test_cast_training_matches_uncompressed(
-    reference_weights, hook_class, weight_tolerance, loss_rtol
+    reference_weights, hook_class, weight_tolerance, loss_rtol, mirrored
 ):
     """8 SGD steps on 2 replicas; the weights move by ~0.11.
 
@@ -64,7 +63,7 @@ def test_cast_training_matches_uncompressed(
     np.testing.assert_allclose(history.history["loss"], losses, rtol=loss_rtol)
 
 
-def test_compressed_training_under_mixed_precision(mirrored2):
+def test_compressed_training_under_mixed_precision(mirrored):
     """Float16 compute with a LossScaleOptimizer: the hooks see float32
     gradients of a scaled loss; training stays finite and learns."""
     previous = keras.config.dtype_policy()
@@ -80,7 +79,7 @@ def test_compressed_training_under_mixed_precision(mirrored2):
         keras.config.set_dtype_policy(previous)
 
 
-def test_hook_state_is_saved_with_the_model(tmp_path):
+def test_hook_state_is_saved_with_the_model(tmp_path, mirrored):
     """Error-feedback residuals travel with a `tf.train.Checkpoint` of the
     model and its hook.
 
@@ -129,7 +128,7 @@ def test_hook_state_is_saved_with_the_model(tmp_path):
 # --- Composition with gradient accumulation -----------------------------------
 
 
-def test_hooks_compose_with_gradient_accumulation(mirrored2):
+def test_hooks_compose_with_gradient_accumulation(mirrored):
     """Compression happens on update steps only: 4 micro-steps, 2 reductions
     (the first plain, the second compressed)."""
     x, y = make_data()
@@ -190,7 +189,7 @@ class ClippedSum(AllReduceHook):
         return {"clip_norm": self.clip_norm}
 
 
-def test_custom_hooks(reference_weights):
+def test_custom_hooks(reference_weights, mirrored):
     weights, _ = reference_weights
     model, _ = fit_mlp(HalfPrecision(), mirrored(2))
     assert max_abs_diff(weights, model.get_weights()) < 1e-4
@@ -232,7 +231,7 @@ DIGITS_EPOCHS = 10
 
 
 @pytest.mark.slow
-def test_compressed_accuracy_on_digits_within_two_points():
+def test_compressed_accuracy_on_digits_within_two_points(mirrored):
     """Small CNN on digits, 2 replicas, 10 epochs of SGD (cosine decay from 0.3).
 
     Measured (test accuracy on 360 images, last run): uncompressed 97.8%,

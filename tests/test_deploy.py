@@ -14,7 +14,6 @@ import sys
 import keras
 import numpy as np
 import pytest
-from conftest import mirrored
 from helpers import make_data
 
 import keras_dist
@@ -29,9 +28,9 @@ def architecture(cls, **kwargs):
     return cls(inputs, outputs, **kwargs)
 
 
-def trained(hook=None, replicas=2):
+def trained(strategy, hook):
     x, y = make_data()
-    with mirrored(replicas).scope():
+    with strategy.scope():
         model = architecture(keras_dist.DistributedModel, all_reduce_hook=hook)
         model.compile(
             keras.optimizers.SGD(0.1),
@@ -42,8 +41,8 @@ def trained(hook=None, replicas=2):
 
 
 @pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
-def test_weights_with_hook_state_load_into_plain_keras(tmp_path, suffix):
-    model, x = trained(TopK(0.1))
+def test_weights_with_hook_state_load_into_plain_keras(tmp_path, suffix, mirrored):
+    model, x = trained(mirrored(2), TopK(0.1))
     assert model.all_reduce_hook.state_variables  # there is state to skip
     path = str(tmp_path / f"trained{suffix}")
     if suffix == ".keras":
@@ -59,8 +58,8 @@ def test_weights_with_hook_state_load_into_plain_keras(tmp_path, suffix):
     )
 
 
-def test_hook_state_round_trips_between_distributed_models(tmp_path):
-    model, _ = trained(TopK(0.1))
+def test_hook_state_round_trips_between_distributed_models(tmp_path, mirrored):
+    model, _ = trained(mirrored(2), TopK(0.1))
     path = str(tmp_path / "trained.weights.h5")
     model.save_weights(path)
     saved = [v.numpy() for v in model.all_reduce_hook.state_variables]
@@ -73,8 +72,10 @@ def test_hook_state_round_trips_between_distributed_models(tmp_path):
         np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-def test_hook_state_is_skipped_with_a_warning_by_a_stateless_hook(tmp_path, caplog):
-    model, _ = trained(TopK(0.1))
+def test_hook_state_is_skipped_with_a_warning_by_a_stateless_hook(
+    tmp_path, caplog, mirrored
+):
+    model, _ = trained(mirrored(2), TopK(0.1))
     path = str(tmp_path / "trained.weights.h5")
     model.save_weights(path)
     plain_hook = architecture(keras_dist.DistributedModel)
@@ -84,8 +85,8 @@ def test_hook_state_is_skipped_with_a_warning_by_a_stateless_hook(tmp_path, capl
     np.testing.assert_array_equal(plain_hook.get_weights()[0], model.get_weights()[0])
 
 
-def test_to_keras_model_exports_a_stock_model(tmp_path):
-    model, x = trained(TopK(0.1))
+def test_to_keras_model_exports_a_stock_model(tmp_path, mirrored):
+    model, x = trained(mirrored(2), TopK(0.1))
     exported = model.to_keras_model()
     assert not isinstance(exported, keras_dist.DistributedModel)
     assert type(exported).__module__.startswith("keras.")

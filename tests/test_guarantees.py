@@ -9,7 +9,6 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import mirrored
 
 import keras_dist
 from keras_dist.compression import AllReduceHook
@@ -38,7 +37,7 @@ def small_model(base=keras_dist.DistributedModel, **kwargs):
 @pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
 def test_nan_input_stops_training_before_the_weights_change(
-    replicas, accumulation_steps
+    replicas, accumulation_steps, mirrored
 ):
     # relu maps NaN to 0 on CPU, so the logged loss can stay finite while
     # the gradient (and stock Keras's weights) turn NaN.
@@ -98,7 +97,7 @@ def test_finite_check_leaves_loss_scaling_alone():
 # --- Generators on several replicas ------------------------------------------
 
 
-def test_python_generator_on_replicas_is_refused():
+def test_python_generator_on_replicas_is_refused(mirrored):
     x, y = regression_data()
 
     def batches():
@@ -116,7 +115,7 @@ def test_python_generator_on_replicas_is_refused():
     single.fit(batches(), epochs=1, verbose=0)
 
 
-def test_py_dataset_on_replicas_equals_one_device():
+def test_py_dataset_on_replicas_equals_one_device(mirrored):
     x, y = regression_data()
 
     class Batches(keras.utils.PyDataset):
@@ -174,7 +173,7 @@ def test_hook_output_is_checked(hook, error, message):
 # --- Clear errors instead of opaque ones -----------------------------------------
 
 
-def test_empty_data_is_a_clear_error():
+def test_empty_data_is_a_clear_error(mirrored):
     with mirrored(2).scope():
         model = small_model()
         model.compile(keras.optimizers.SGD(0.1), "mse")

@@ -8,7 +8,6 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import mirrored
 
 import keras_dist
 
@@ -59,7 +58,7 @@ def assert_same_weights(a, b, tolerance=TOLERANCE):
 
 
 @pytest.mark.parametrize("strategy_name", ["default", "one_device", "mirrored"])
-def test_d1_lazy_weights_train_like_stock(strategy_name):
+def test_d1_lazy_weights_train_like_stock(strategy_name, mirrored):
     expected = train(lazy_net(keras.Model))
     if strategy_name == "default":
         model = train(lazy_net(keras_dist.DistributedModel))
@@ -151,7 +150,7 @@ def test_d3_jit_compile_fit_and_evaluate_without_strategy():
     assert results[0][1] == pytest.approx(results[1][1], abs=TOLERANCE)
 
 
-def test_d3_jit_compile_with_replicas_is_a_clear_error():
+def test_d3_jit_compile_with_replicas_is_a_clear_error(mirrored):
     # Stock Keras fails here too, with an opaque XLA graph error.
     with mirrored(2).scope():
         model = lazy_net(keras_dist.DistributedModel)
@@ -215,7 +214,7 @@ def embedding_model(base, vocabulary=100_000):
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_d5_embedding_gradients_stay_indexed_slices(replicas):
+def test_d5_embedding_gradients_stay_indexed_slices(replicas, mirrored):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 100_000, size=(32, 5)).astype("int32")
     y = rng.normal(size=(32, 1)).astype("float32")

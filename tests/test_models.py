@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import workers
-from conftest import mirrored
 from helpers import OPTIMIZERS, compile_model, make_data, max_abs_diff, mlp
 
 import keras_dist
@@ -70,7 +69,7 @@ class SubclassNet(keras_dist.DistributedModel):
 
 
 @pytest.mark.parametrize("form", ["subclass", "sequential", "functional", "subclassed"])
-def test_forms_train_like_keras_model_on_two_replicas(form):
+def test_forms_train_like_keras_model_on_two_replicas(form, mirrored):
     x, y = make_data()
 
     def build():
@@ -142,7 +141,7 @@ def _seeded(factory):
     return factory()
 
 
-def test_from_model_shares_layers_and_weights():
+def test_from_model_shares_layers_and_weights(mirrored):
     strategy = mirrored(2)
     with strategy.scope():
         base = mlp()
@@ -151,7 +150,7 @@ def test_from_model_shares_layers_and_weights():
     assert model.model is base
 
 
-def test_from_model_keras_application_trains_on_two_replicas():
+def test_from_model_keras_application_trains_on_two_replicas(mirrored):
     strategy = mirrored(2)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8, 32, 32, 3)).astype("float32")
@@ -198,7 +197,7 @@ def test_one_device_strategy_equals_keras_model():
     ("replicas", "optimizer_name"),
     [(2, "sgd"), (2, "momentum"), (2, "adam"), (4, "adam")],
 )
-def test_mirrored_equals_single_device(replicas, optimizer_name):
+def test_mirrored_equals_single_device(replicas, optimizer_name, mirrored):
     reference, ref_history = single_device_run(optimizer_name)
     x, y = make_data()
     with mirrored(replicas).scope():
@@ -224,7 +223,7 @@ def test_mirrored_equals_single_device(replicas, optimizer_name):
     )
 
 
-def test_steps_per_execution_matches_single_device():
+def test_steps_per_execution_matches_single_device(mirrored):
     reference, _ = single_device_run("adam")
     x, y = make_data()
     with mirrored(2).scope():
@@ -241,7 +240,7 @@ def test_steps_per_execution_matches_single_device():
 @pytest.mark.parametrize(
     "clip", [{"global_clipnorm": 0.05}, {"clipnorm": 0.02}], ids=["global", "per_var"]
 )
-def test_clipping_acts_on_all_reduced_gradient(clip):
+def test_clipping_acts_on_all_reduced_gradient(clip, mirrored):
     def optimizer():
         return keras.optimizers.SGD(0.5, **clip)
 
@@ -261,7 +260,7 @@ def test_clipping_acts_on_all_reduced_gradient(clip):
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_mixed_precision_on_two_replicas(policy):
+def test_mixed_precision_on_two_replicas(policy, mirrored):
     x, y = make_data()
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
@@ -284,7 +283,7 @@ def test_mixed_precision_on_two_replicas(policy):
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < tolerance
 
 
-def test_custom_training_loop_with_strategy_run():
+def test_custom_training_loop_with_strategy_run(mirrored):
     """The seeds' loop: strategy.run(train_step) + strategy.reduce."""
     reference, _ = single_device_run("momentum", epochs=1)
     x, y = make_data()
@@ -322,7 +321,7 @@ def test_custom_training_loop_with_strategy_run():
 # --- Hooks ---
 
 
-def test_hook_sees_per_replica_gradients_and_is_used():
+def test_hook_sees_per_replica_gradients_and_is_used(mirrored):
     hook = RecordingHook()
     x, y = make_data()
     reference, _ = single_device_run("sgd", epochs=1)
@@ -337,7 +336,7 @@ def test_hook_sees_per_replica_gradients_and_is_used():
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
 
 
-def test_register_hook_between_fits_rebuilds_train_function():
+def test_register_hook_between_fits_rebuilds_train_function(mirrored):
     x, y = make_data()
     with mirrored(2).scope():
         model = compile_model(mlp(keras_dist.DistributedModel), OPTIMIZERS["sgd"]())
@@ -374,7 +373,7 @@ def _io():
 
 
 @pytest.mark.parametrize("form", ["functional", "subclass", "wrapped"])
-def test_keras_file_round_trip(tmp_path, form):
+def test_keras_file_round_trip(tmp_path, form, mirrored):
     x, y = make_data()
     with mirrored(2).scope():
         if form == "functional":
@@ -498,7 +497,7 @@ def test_hook_must_be_a_hook_instance():
         model.register_all_reduce_hook(object())
 
 
-def test_from_model_errors():
+def test_from_model_errors(mirrored):
     with pytest.raises(TypeError, match=r"must be a `keras\.Model`"):
         keras_dist.DistributedModel.from_model(keras.layers.Dense(3))
     with pytest.raises(ValueError, match="already a DistributedModel"):
@@ -568,7 +567,7 @@ def test_parameter_server_strategy_is_refused_with_a_clear_error(tmp_path):
     assert "keras#18624" in result.stdout
 
 
-def test_compression_ratio_is_in_the_logs():
+def test_compression_ratio_is_in_the_logs(mirrored):
     x, y = make_data()
     with mirrored(2).scope():
         model = compile_model(

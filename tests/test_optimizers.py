@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import workers
-from conftest import mirrored
 from helpers import OPTIMIZERS, compile_model, make_data, max_abs_diff, mlp
 
 import keras_dist
@@ -65,7 +64,7 @@ def accumulated_model(strategy, optimizer_name, steps, cls=keras_dist.Distribute
 
 
 @pytest.mark.parametrize("optimizer_name", sorted(ACCUMULATION_OPTIMIZERS))
-def test_mirrored_accumulation_equals_big_batch(optimizer_name):
+def test_mirrored_accumulation_equals_big_batch(optimizer_name, mirrored):
     # k=2 micro-steps of 8 per replica on 2 replicas == one step of 32.
     reference = big_batch_reference(optimizer_name, batch_size=32)
     x, y = make_data()
@@ -77,7 +76,7 @@ def test_mirrored_accumulation_equals_big_batch(optimizer_name):
 
 
 @pytest.mark.parametrize("optimizer_name", ["momentum", "adamw_clip"])
-def test_custom_loop_accumulation_equals_big_batch(optimizer_name):
+def test_custom_loop_accumulation_equals_big_batch(optimizer_name, mirrored):
     # The seeds' loop (strategy.run + strategy.reduce) through
     # model.apply_gradients: build_all_reduce_hook builds the accumulation
     # optimizer too, which cannot build inside strategy.run.
@@ -113,7 +112,7 @@ def test_custom_loop_accumulation_equals_big_batch(optimizer_name):
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
 
 
-def test_custom_loop_without_build_says_what_to_call():
+def test_custom_loop_without_build_says_what_to_call(mirrored):
     strategy = mirrored(2)
     model = accumulated_model(strategy, "sgd", steps=2)
     x, _ = make_data(n=16)
@@ -129,7 +128,7 @@ def test_custom_loop_without_build_says_what_to_call():
 
 
 @pytest.mark.parametrize("optimizer_name", ["momentum", "adamw_clip"])
-def test_plain_keras_model_accumulation_equals_big_batch(optimizer_name):
+def test_plain_keras_model_accumulation_equals_big_batch(optimizer_name, mirrored):
     reference = big_batch_reference(optimizer_name, batch_size=32)
     x, y = make_data()
     model = accumulated_model(mirrored(2), optimizer_name, steps=2, cls=keras.Model)
@@ -163,7 +162,7 @@ def test_multi_worker_accumulation_equals_big_batch():
 # --- Communication ---
 
 
-def test_exactly_one_reduction_per_update():
+def test_exactly_one_reduction_per_update(mirrored):
     x, y = make_data()
     hook = CountingHook()
     strategy = mirrored(2)
@@ -203,7 +202,7 @@ def test_schedule_advances_per_update():
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
 
 
-def test_partial_accumulation_is_carried_over():
+def test_partial_accumulation_is_carried_over(mirrored):
     x, y = make_data()
     reference = compile_model(mlp(), OPTIMIZERS["sgd"]())
     reference.fit(x[:32], y[:32], batch_size=32, epochs=1, shuffle=False, verbose=0)
@@ -221,7 +220,7 @@ def test_partial_accumulation_is_carried_over():
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
 
 
-def test_reset_accumulation_discards_pending_gradients():
+def test_reset_accumulation_discards_pending_gradients(mirrored):
     x, y = make_data()
     model = accumulated_model(mirrored(2), "sgd", steps=4)
     model.fit(x[:16], y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0)
@@ -234,7 +233,7 @@ def test_reset_accumulation_discards_pending_gradients():
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
 
 
-def test_changing_steps_during_fit_does_not_retrace():
+def test_changing_steps_during_fit_does_not_retrace(mirrored):
     x, y = make_data(n=96)
     hook = CountingHook()
     strategy = mirrored(2)
@@ -261,7 +260,7 @@ def test_changing_steps_during_fit_does_not_retrace():
 # --- Mixed precision ---
 
 
-def test_mixed_float16_puts_loss_scaling_inside_accumulation():
+def test_mixed_float16_puts_loss_scaling_inside_accumulation(mirrored):
     x, y = make_data()
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy("mixed_float16")
@@ -329,7 +328,7 @@ def test_keras_file_mid_accumulation_resumes_the_cycle(tmp_path):
     assert max_abs_diff(reference.get_weights(), loaded.get_weights()) < 1e-6
 
 
-def test_checkpoint_mid_accumulation_restores_on_two_replicas(tmp_path):
+def test_checkpoint_mid_accumulation_restores_on_two_replicas(tmp_path, mirrored):
     x, y = make_data()
     reference = compile_model(mlp(), OPTIMIZERS["momentum"]())
     reference.fit(x[:32], y[:32], batch_size=32, epochs=1, shuffle=False, verbose=0)
@@ -357,7 +356,7 @@ def test_checkpoint_mid_accumulation_restores_on_two_replicas(tmp_path):
 # --- Hooks and bad input ---
 
 
-def test_hook_given_to_optimizer_is_used_by_plain_model():
+def test_hook_given_to_optimizer_is_used_by_plain_model(mirrored):
     x, y = make_data()
     hook = CountingHook()
     with mirrored(2).scope():
@@ -369,7 +368,7 @@ def test_hook_given_to_optimizer_is_used_by_plain_model():
     assert int(hook.reductions.numpy()) == 2 * 2
 
 
-def test_hooks_on_model_and_optimizer_conflict():
+def test_hooks_on_model_and_optimizer_conflict(mirrored):
     x, y = make_data()
     with mirrored(2).scope():
         model = mlp(keras_dist.DistributedModel)
@@ -429,7 +428,7 @@ def test_state_before_build_is_a_clear_error():
         optimizer.accumulation_steps = "4"
 
 
-def test_inner_optimizer_created_outside_the_scope_is_refused():
+def test_inner_optimizer_created_outside_the_scope_is_refused(mirrored):
     x, y = make_data()
     inner = keras.optimizers.SGD(0.1)
     with mirrored(2).scope():

@@ -11,7 +11,6 @@ one device's.
 import keras
 import pytest
 import workers
-from conftest import mirrored
 from helpers import max_abs_diff, uneven_data, uneven_model
 
 from keras_dist.testing import run_workers
@@ -28,9 +27,9 @@ def one_device(examples, batch, accumulation_steps=1):
     return model.get_weights()
 
 
-def on_replicas(examples, batch, accumulation_steps=1, replicas=2):
+def on_replicas(strategy, examples, batch, accumulation_steps=1):
     x, y = uneven_data(examples)
-    with mirrored(replicas).scope():
+    with strategy.scope():
         model = uneven_model(accumulation_steps)
     model.fit(x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0)
     return model.get_weights()
@@ -38,13 +37,15 @@ def on_replicas(examples, batch, accumulation_steps=1, replicas=2):
 
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
 @pytest.mark.parametrize(("examples", "batch"), CASES)
-def test_uneven_last_batch_equals_one_device(examples, batch, accumulation_steps):
+def test_uneven_last_batch_equals_one_device(
+    examples, batch, accumulation_steps, mirrored
+):
     expected = one_device(examples, batch, accumulation_steps)
-    got = on_replicas(examples, batch, accumulation_steps)
+    got = on_replicas(mirrored(2), examples, batch, accumulation_steps)
     assert max_abs_diff(expected, got) <= TOLERANCE
 
 
-def test_stock_keras_drifts_where_distributed_model_does_not():
+def test_stock_keras_drifts_where_distributed_model_does_not(mirrored):
     # The defect being fixed, measured on stock Keras: 1001 examples in
     # batches of 64 on 2 replicas; the last batch (41) splits 21 + 20.
     x, y = uneven_data(1001)
@@ -54,7 +55,8 @@ def test_stock_keras_drifts_where_distributed_model_does_not():
         stock = uneven_model(cls=keras.Model)
     stock.fit(x, y, batch_size=64, epochs=EPOCHS, shuffle=False, verbose=0)
     assert max_abs_diff(reference.get_weights(), stock.get_weights()) > 1e-5
-    assert max_abs_diff(reference.get_weights(), on_replicas(1001, 64)) <= TOLERANCE
+    got = on_replicas(mirrored(2), 1001, 64)
+    assert max_abs_diff(reference.get_weights(), got) <= TOLERANCE
 
 
 def test_accumulation_is_the_mean_over_examples():
@@ -67,10 +69,10 @@ def test_accumulation_is_the_mean_over_examples():
     assert max_abs_diff(big.get_weights(), accumulated) <= TOLERANCE
 
 
-def test_four_replicas_with_an_empty_replica():
+def test_four_replicas_with_an_empty_replica(mirrored):
     # A global batch of 3 on 4 replicas leaves one replica without examples.
     expected = one_device(7, 4)
-    got = on_replicas(7, 4, replicas=4)
+    got = on_replicas(mirrored(4), 7, 4)
     assert max_abs_diff(expected, got) <= TOLERANCE
 
 
