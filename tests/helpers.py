@@ -1,7 +1,15 @@
-"""Small models and data shared by the tests."""
+"""Small models, data and a fresh-interpreter runner shared by the tests."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 
 import keras
 import numpy as np
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def make_data(n=64, features=8, classes=3, seed=0):
@@ -83,3 +91,44 @@ def uneven_model(accumulation_steps=1, cls=None, features=8, seed=4):
         )
     model.compile(optimizer, "mse")
     return model
+
+
+def run_python(code, env=None, timeout=120, check=True):
+    """Runs `python -c code` in a fresh interpreter from the repository root.
+
+    For what this test session cannot show: conftest has already initialised
+    TensorFlow (4 logical CPUs), and `keras_dist`, TensorFlow and Keras are
+    imported. The child starts in the repository root, so it imports this copy
+    of `keras_dist`.
+
+    Args:
+        code: Str. Python source, dedented before it runs.
+        env: Dict or `None`. Variables set over `os.environ`,
+            `TF_CPP_MIN_LOG_LEVEL=3` and `KERAS_BACKEND=tensorflow`; a value of
+            `None` removes that variable. Defaults to `None`.
+        timeout: Float. Seconds before `subprocess.TimeoutExpired`. Defaults
+            to `120`.
+        check: Bool. Assert that the exit code is 0, showing the end of
+            stderr if not. Defaults to `True`.
+
+    Returns:
+        The `subprocess.CompletedProcess`, with `stdout` and `stderr` as text.
+    """
+    child_env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "KERAS_BACKEND": "tensorflow",
+        **(env or {}),
+    }
+    child_env = {name: value for name, value in child_env.items() if value is not None}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO_ROOT,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check:
+        assert result.returncode == 0, result.stderr[-4000:]
+    return result

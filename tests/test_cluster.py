@@ -2,21 +2,16 @@
 
 import json
 import logging
-import pathlib
 import re
 import socket
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
 import numpy as np
 import pytest
+from helpers import run_python
 
 from keras_dist import cluster
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SPEC = {"chief": ["localhost:2222"], "worker": ["localhost:2223", "host-b:2224"]}
 
@@ -252,8 +247,7 @@ def test_local_cluster_accepts_numpy_counts():
 
 def test_free_ports_says_when_file_descriptors_run_out():
     # A child with a descriptor limit of 32 asks for 100 sockets at once.
-    code = textwrap.dedent(
-        """
+    code = """
         import resource, sys
         # Imported as the command line imports it, without TensorFlow.
         sys.argv[0] = "-m"
@@ -263,16 +257,8 @@ def test_free_ports_says_when_file_descriptors_run_out():
             cluster.free_ports(100)
         except OSError as error:
             print(error)
-        """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
+    """
+    result = run_python(code, timeout=60)
     assert re.search(
         r"cannot hold 100 free ports at once: the process ran out of file "
         r"descriptors after \d+ .*`ulimit -n 4096`",

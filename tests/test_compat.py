@@ -4,13 +4,10 @@ Each test names one touch from `keras_dist/_compat.py`. When an upgrade moves
 one, the failure says which, instead of training silently going wrong.
 """
 
-import os
-import subprocess
-import sys
-
 import keras
 import pytest
 import tensorflow as tf
+from helpers import run_python
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses import loss as loss_module
@@ -155,18 +152,6 @@ def test_state_saveable_is_walked_by_keras_saving(tmp_path):
     assert list(counter.loaded) == [7.0]
 
 
-def _python(code, **env):
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env},
-    )
-    assert result.returncode == 0, result.stderr
-    return result
-
-
 def test_import_builds_nothing_and_prints_nothing():
     # Devices can still be configured after the import: nothing initialised
     # TensorFlow's runtime, no strategy was built, no GPU was touched.
@@ -178,7 +163,7 @@ def test_import_builds_nothing_and_prints_nothing():
         "    cpu, [tf.config.LogicalDeviceConfiguration()] * 2)\n"
         "assert len(tf.config.list_logical_devices('CPU')) == 2\n"
     )
-    assert _python(code).stdout == ""
+    assert run_python(code).stdout == ""
 
 
 def test_import_registers_serializable_classes():
@@ -188,7 +173,7 @@ def test_import_registers_serializable_classes():
         " 'NoCompression'):\n"
         "    assert keras.saving.get_registered_object('keras_dist>' + name)\n"
     )
-    _python(code)
+    run_python(code)
 
 
 def test_command_line_import_skips_tensorflow():
@@ -198,18 +183,13 @@ def test_command_line_import_skips_tensorflow():
         "import keras_dist, keras_dist.cli\n"
         "print('tf' if 'tensorflow' in sys.modules else 'no-tf')\n"
     )
-    assert _python(code).stdout == "no-tf\n"
+    assert run_python(code).stdout == "no-tf\n"
 
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
 def test_other_backend_raises_import_error(backend):
-    env = dict(os.environ, KERAS_BACKEND=backend)
-    result = subprocess.run(
-        [sys.executable, "-c", "import keras_dist"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
+    result = run_python(
+        "import keras_dist", env={"KERAS_BACKEND": backend}, timeout=60, check=False
     )
     assert result.returncode != 0
     assert "ImportError" in result.stderr

@@ -7,14 +7,11 @@ exports a stock model that loads where keras_dist is not installed.
 """
 
 import logging
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
-from helpers import make_data
+from helpers import make_data, run_python
 
 import keras_dist
 from keras_dist.compression import TopK
@@ -105,15 +102,7 @@ def test_to_keras_model_exports_a_stock_model(tmp_path, mirrored):
         "assert 'keras_dist' not in sys.modules\n"
         "print('ok')\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "tensorflow"},
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().endswith("ok")
+    assert run_python(code).stdout.strip().endswith("ok")
 
 
 def test_to_keras_model_of_a_wrapped_model_is_the_model():

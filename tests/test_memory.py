@@ -11,12 +11,11 @@ initialisation, no memory growth on a GPU with a logical configuration).
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import run_python
 
 from keras_dist import memory
 
@@ -317,17 +316,8 @@ def test_fake_gpus_growth_state_honours_force_variable(monkeypatch, forced, expe
 
 
 def _run_fresh(code):
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("TF_GPU_ALLOCATOR", None)
-    env.pop("TF_FORCE_GPU_ALLOW_GROWTH", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    env = dict.fromkeys(["TF_GPU_ALLOCATOR", "TF_FORCE_GPU_ALLOW_GROWTH"])
+    proc = run_python(code, env=env, timeout=180)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

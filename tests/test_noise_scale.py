@@ -6,12 +6,10 @@ tests/test_callbacks.py."""
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from helpers import run_python
 
 from keras_dist.noise_scale import (
     NoiseScaleController,
@@ -239,12 +237,4 @@ def test_module_imports_no_framework():
         "loaded = {'tensorflow', 'keras'} & set(sys.modules)\n"
         "print(sorted(loaded) or 'none')\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, KERAS_BACKEND="tensorflow"),
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == "none\n"
+    assert run_python(code).stdout == "none\n"

@@ -4,16 +4,15 @@ import io
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+from helpers import run_python
 
 from keras_dist import _process
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="process groups")
 
 
@@ -273,7 +272,7 @@ def test_run_tasks_reports_a_command_that_cannot_start():
 def test_run_tasks_says_when_file_descriptors_run_out(tmp_path):
     # Each running task holds its output pipe: 100 tasks do not fit in 48
     # descriptors. The tasks already started are stopped.
-    code = textwrap.dedent(f"""
+    code = f"""
         import os, resource, sys
         # Imported as the command line imports it, without TensorFlow.
         sys.argv[0] = "-m"
@@ -292,16 +291,8 @@ def test_run_tasks_says_when_file_descriptors_run_out(tmp_path):
         ]
         status = _process.run_tasks(specs, sys.stdout, print, grace_period=1.0)
         print("status", status)
-    """)
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-    assert result.returncode == 0, result.stderr
+    """
+    result = run_python(code)
     assert "cannot start 100 tasks: the system refused another process or file " in (
         result.stdout
     )

@@ -10,12 +10,11 @@ uninitialised TensorFlow.
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import run_python
 
 from keras_dist import cluster, strategy
 
@@ -533,16 +532,7 @@ print(json.dumps(out))
 
 
 def test_cpu_replicas_in_fresh_process():
-    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
-    env.update(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run(
-        [sys.executable, "-c", FRESH_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_python(FRESH_SCRIPT, env=dict.fromkeys(ENV_VARS), timeout=180)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["replicas"] == 2
     assert out["cpus"] == 2
