@@ -57,15 +57,25 @@ def test_functional_form_returns_functional_subclass():
     assert keras_dist.DistributedModel.__bases__[-1] is keras.Model
 
 
-@keras.saving.register_keras_serializable(package="keras_dist_tests")
-class SubclassNet(keras_dist.DistributedModel):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(16, activation="relu")
-        self.out = keras.layers.Dense(3)
+def subclass_net(base):
+    """A subclassed two-layer MLP on `base`: one body for both model classes."""
 
-    def call(self, x):
-        return self.out(self.hidden(x))
+    class SubclassNet(base):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = keras.layers.Dense(16, activation="relu")
+            self.out = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    return SubclassNet
+
+
+SubclassNet = keras.saving.register_keras_serializable(package="keras_dist_tests")(
+    subclass_net(keras_dist.DistributedModel)
+)
+KerasSubclassNet = subclass_net(keras.Model)
 
 
 @pytest.mark.parametrize("form", ["subclass", "sequential", "functional", "subclassed"])
@@ -92,7 +102,7 @@ def test_forms_train_like_keras_model_on_two_replicas(form, mirrored):
 
     keras.utils.set_random_seed(3)
     reference = {
-        "subclass": lambda: _seeded(SubclassNet_plain),
+        "subclass": lambda: _seeded(KerasSubclassNet),
         "sequential": lambda: _seeded(
             lambda: keras.Sequential(
                 [
@@ -116,22 +126,8 @@ def test_forms_train_like_keras_model_on_two_replicas(form, mirrored):
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
 
 
-class SubclassNet_plain(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(16, activation="relu")
-        self.out = keras.layers.Dense(3)
-
-    def call(self, x):
-        return self.out(self.hidden(x))
-
-
-class PlainNet(SubclassNet_plain):
-    pass
-
-
 def _built_plain_subclass():
-    model = PlainNet()
+    model = KerasSubclassNet()
     model(np.zeros((1, 8), "float32"))
     return model
 
