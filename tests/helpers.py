@@ -1,13 +1,18 @@
-"""Small models, data and a fresh-interpreter runner shared by the tests."""
+"""Helpers shared by the tests: small models and data, a harness for all-reduce
+hooks, a fresh-interpreter runner and process checks.
+"""
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -55,8 +60,6 @@ def sharded_dataset(x, y, global_batch):
     DATA sharding gives every worker its slice of each global batch, so a
     multi-worker step sees the same examples as one device with that batch.
     """
-    import tensorflow as tf
-
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = (
         tf.data.experimental.AutoShardPolicy.DATA
@@ -91,6 +94,60 @@ def uneven_model(accumulation_steps=1, cls=None, features=8, seed=4):
         )
     model.compile(optimizer, "mse")
     return model
+
+
+class Harness:
+    """Variables of given shapes under `strategy`, a built hook, a traced step."""
+
+    def __init__(self, strategy, hook, shapes, dtypes=None):
+        self.strategy = strategy
+        self.hook = hook
+        dtypes = dtypes or ["float32"] * len(shapes)
+        with strategy.scope():
+            self.variables = [
+                tf.Variable(tf.zeros(shape, dtype), name=f"v{i}")
+                for i, (shape, dtype) in enumerate(zip(shapes, dtypes))
+            ]
+            hook.build(self.variables)
+
+        @tf.function
+        def step(values):
+            return strategy.run(
+                lambda g: hook.reduce(list(g), self.variables), (values,)
+            )
+
+        self._step = step
+
+    def reduce(self, per_replica):
+        """Runs one reduction; `per_replica[r]` lists replica r's gradients.
+
+        Returns, per gradient, the list of every replica's result (numpy).
+        """
+        values = self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: [
+                tf.constant(g) for g in per_replica[ctx.replica_id_in_sync_group]
+            ]
+        )
+        outputs = self._step(values)
+        return [
+            [t.numpy() for t in self.strategy.experimental_local_results(out)]
+            for out in outputs
+        ]
+
+    def local(self, variable):
+        return [v.numpy() for v in self.strategy.experimental_local_results(variable)]
+
+
+def random_grads(shapes, replicas, seed=0, dtype="float32"):
+    rng = np.random.default_rng(seed)
+    return [
+        [rng.normal(size=shape).astype(dtype) for shape in shapes]
+        for _ in range(replicas)
+    ]
+
+
+def exact_sum(per_replica):
+    return [np.sum(np.stack(parts), axis=0) for parts in zip(*per_replica)]
 
 
 def run_python(code, env=None, timeout=120, check=True):
@@ -132,3 +189,21 @@ def run_python(code, env=None, timeout=120, check=True):
     if check:
         assert result.returncode == 0, result.stderr[-4000:]
     return result
+
+
+def is_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_gone(pid, timeout=10.0):
+    """Waits for process `pid` to exit; kills it and fails after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while is_alive(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"process {pid} is still running")
+        time.sleep(0.05)

@@ -17,6 +17,7 @@ import textwrap
 import time
 
 import pytest
+from helpers import is_alive, wait_gone
 
 from keras_dist import cli
 
@@ -45,23 +46,6 @@ def _wait_for_files(paths, timeout, process=None):
             raise AssertionError(f"launcher exited early with {process.returncode}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {paths}")
-        time.sleep(0.05)
-
-
-def _is_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _wait_gone(pid, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while _is_alive(pid):
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            raise AssertionError(f"process {pid} is still running")
         time.sleep(0.05)
 
 
@@ -169,7 +153,7 @@ def test_failing_worker_stops_the_others_and_sets_the_exit_code(tmp_path, capsys
     assert elapsed < 20
     assert "[worker:0] giving up" in captured.out
     assert "worker:0 failed with exit code 3" in captured.err
-    _wait_gone(int((tmp_path / "worker_1.pid").read_text()), timeout=1.0)
+    wait_gone(int((tmp_path / "worker_1.pid").read_text()), timeout=1.0)
 
 
 def test_unstartable_command_exits_127(capsys):
@@ -216,7 +200,7 @@ def test_ps_task_serves_until_the_workers_finish(tmp_path, capsys):
     assert "reached ps" in _task_lines(output, "worker:0")
     listening = [line for line in _task_lines(output, "ps:0") if "listening on" in line]
     assert listening, output
-    _wait_gone(int(re.search(r"\(pid (\d+)\)", listening[0]).group(1)), timeout=1.0)
+    wait_gone(int(re.search(r"\(pid (\d+)\)", listening[0]).group(1)), timeout=1.0)
 
 
 def test_with_ps_the_launch_ends_when_the_chief_does(tmp_path, capsys):
@@ -264,7 +248,7 @@ def test_with_ps_the_launch_ends_when_the_chief_does(tmp_path, capsys):
         captured.err
     )
     for name in ("worker_0", "worker_1"):
-        _wait_gone(int((pids / f"{name}.pid").read_text()), timeout=1.0)
+        wait_gone(int((pids / f"{name}.pid").read_text()), timeout=1.0)
 
 
 def test_without_ps_a_finished_chief_waits_for_the_workers(tmp_path, capsys):
@@ -302,7 +286,7 @@ def test_module_launcher_stops_its_tasks_on_sigint(tmp_path):
         pid_files = [str(tmp_path / f"worker_{index}.pid") for index in range(2)]
         _wait_for_files(pid_files, PROCESS_TIMEOUT, launcher)
         pids = [int(pathlib.Path(path).read_text()) for path in pid_files]
-        assert all(_is_alive(pid) for pid in pids)
+        assert all(is_alive(pid) for pid in pids)
 
         launcher.send_signal(signal.SIGINT)
         out, err = launcher.communicate(timeout=30)
@@ -315,7 +299,7 @@ def test_module_launcher_stops_its_tasks_on_sigint(tmp_path):
     assert "interrupted" in err
     assert "[worker:0] ready" in out and "[worker:1] ready" in out
     for pid in pids:
-        _wait_gone(pid, timeout=5.0)
+        wait_gone(pid, timeout=5.0)
 
 
 @pytest.mark.parametrize(
@@ -419,6 +403,33 @@ def test_launch_runs_a_real_multi_worker_all_reduce(tmp_path, capsys):
 LAUNCH_TWO = [sys.executable, "-m", "keras_dist", "launch", "--workers=2", "--"]
 
 
+def _launch_then_close_stdout(script, go):
+    """`launch` of `script go` on 2 workers whose reader leaves after one line.
+
+    Reads the first line, closes the launcher's stdout, then creates the file
+    `go` (the tasks wait for it). Returns the launcher's exit code, the first
+    line and its stderr.
+    """
+    launcher = subprocess.Popen(
+        [*LAUNCH_TWO, sys.executable, script, go],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = launcher.stdout.readline()
+        launcher.stdout.close()
+        pathlib.Path(go).touch()
+        err = launcher.stderr.read()
+        launcher.wait(timeout=PROCESS_TIMEOUT)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    return launcher.returncode, first, err
+
+
 def test_closed_stdout_drops_output_but_the_tasks_run_on(tmp_path):
     # `keras-dist launch ... | head -1`: the reader goes away after one line.
     # The tasks print on after that (once `go` exists) and finish; the
@@ -437,25 +448,10 @@ def test_closed_stdout_drops_output_but_the_tasks_run_on(tmp_path):
         """,
     )
     go = str(tmp_path / "go")
-    launcher = subprocess.Popen(
-        [*LAUNCH_TWO, sys.executable, script, go],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert launcher.stdout.readline().endswith("first\n")
-        launcher.stdout.close()
-        pathlib.Path(go).touch()
-        err = launcher.stderr.read()
-        launcher.wait(timeout=PROCESS_TIMEOUT)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+    returncode, first, err = _launch_then_close_stdout(script, go)
 
-    assert launcher.returncode == 0, err
+    assert first.endswith("first\n")
+    assert returncode == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
     assert "failed" not in err, err
     for index in range(2):
@@ -477,25 +473,10 @@ def test_broken_pipe_keeps_the_exit_code_of_a_failing_task(tmp_path):
         """,
     )
     go = str(tmp_path / "go")
-    launcher = subprocess.Popen(
-        [*LAUNCH_TWO, sys.executable, script, go],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        launcher.stdout.readline()
-        launcher.stdout.close()
-        pathlib.Path(go).touch()
-        err = launcher.stderr.read()
-        launcher.wait(timeout=PROCESS_TIMEOUT)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+    returncode, first, err = _launch_then_close_stdout(script, go)
 
-    assert launcher.returncode == 5, err
+    assert first.endswith("first\n")
+    assert returncode == 5, err
     assert "task worker:1 failed with exit code 5" in err
     assert "Traceback" not in err, err
 

@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import Harness, exact_sum, random_grads
 
 from keras_dist.compression import (
     BF16,
@@ -47,63 +48,6 @@ def all_hooks():
 
 def hook_id(hook):
     return repr(hook)
-
-
-# --- A harness: build a hook on variables, run `reduce` under a strategy ------
-
-
-class Harness:
-    """Variables of given shapes under `strategy`, a built hook, a traced step."""
-
-    def __init__(self, strategy, hook, shapes, dtypes=None):
-        self.strategy = strategy
-        self.hook = hook
-        dtypes = dtypes or ["float32"] * len(shapes)
-        with strategy.scope():
-            self.variables = [
-                tf.Variable(tf.zeros(shape, dtype), name=f"v{i}")
-                for i, (shape, dtype) in enumerate(zip(shapes, dtypes))
-            ]
-            hook.build(self.variables)
-
-        @tf.function
-        def step(values):
-            return strategy.run(
-                lambda g: hook.reduce(list(g), self.variables), (values,)
-            )
-
-        self._step = step
-
-    def reduce(self, per_replica):
-        """Runs one reduction; `per_replica[r]` lists replica r's gradients.
-
-        Returns, per gradient, the list of every replica's result (numpy).
-        """
-        values = self.strategy.experimental_distribute_values_from_function(
-            lambda ctx: [
-                tf.constant(g) for g in per_replica[ctx.replica_id_in_sync_group]
-            ]
-        )
-        outputs = self._step(values)
-        return [
-            [t.numpy() for t in self.strategy.experimental_local_results(out)]
-            for out in outputs
-        ]
-
-    def local(self, variable):
-        return [v.numpy() for v in self.strategy.experimental_local_results(variable)]
-
-
-def random_grads(shapes, replicas, seed=0, dtype="float32"):
-    rng = np.random.default_rng(seed)
-    return [
-        [rng.normal(size=shape).astype(dtype) for shape in shapes]
-        for _ in range(replicas)
-    ]
-
-
-def exact_sum(per_replica):
-    return [np.sum(np.stack(parts), axis=0) for parts in zip(*per_replica)]
 
 
 def assert_same_on_replicas(results):

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_compression import Harness, exact_sum, random_grads
+from helpers import Harness, exact_sum, random_grads
 
 import keras_dist
 from keras_dist.compression import (

@@ -9,7 +9,7 @@ import textwrap
 import time
 
 import pytest
-from helpers import run_python
+from helpers import run_python, wait_gone
 
 from keras_dist import _process
 
@@ -22,23 +22,6 @@ def python(code):
 
 def spec(name, code, serves=False):
     return _process.TaskSpec(name, python(code), dict(os.environ), serves=serves)
-
-
-def is_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def wait_gone(pid, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while is_alive(pid):
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            raise AssertionError(f"process {pid} is still running")
-        time.sleep(0.05)
 
 
 class Messages(list):
