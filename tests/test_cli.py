@@ -17,11 +17,10 @@ import textwrap
 import time
 
 import pytest
-from helpers import is_alive, wait_gone
+from helpers import REPO_ROOT, is_alive, wait_gone
 
 from keras_dist import cli
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Generous: a process that imports TensorFlow takes ~10 s on 2 busy cores.
 PROCESS_TIMEOUT = 120
 

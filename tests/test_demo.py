@@ -6,10 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import REPO_ROOT
 
 from keras_dist import demo
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _result(name, replicas, accuracy):
@@ -28,14 +27,14 @@ def _result(name, replicas, accuracy):
 
 def test_demo_through_a_pipe_prints_no_control_codes(tmp_path):
     # The smallest run: 2 replicas, 1 epoch; stdout is a pipe, not a terminal.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO_ROOT))
     args = ["demo", "--replicas", "2", "--epochs", "1", "--out", str(tmp_path)]
     result = subprocess.run(
         [sys.executable, "-m", "keras_dist", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         timeout=600,
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         env=env,
     )
     out = result.stdout.decode()

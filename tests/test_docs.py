@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import REPO_ROOT
 
 pytest.importorskip("mkdocs", reason="the docs extra (mkdocs) is not installed")
 pytest.importorskip("material", reason="mkdocs-material is not installed")
@@ -22,7 +23,6 @@ pytest.importorskip(
     "mkdocstrings_handlers.python", reason="mkdocstrings[python] is not installed"
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Page of the built site -> objects whose rendered API entry it must hold
 # (mkdocstrings gives each entry the object's path as its HTML id).
@@ -56,7 +56,7 @@ API_PAGES = {
 }
 
 
-def build(config_file, site_dir, cwd=ROOT):
+def build(config_file, site_dir, cwd=REPO_ROOT):
     """Runs `mkdocs build --strict`; returns the completed process."""
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     return subprocess.run(
@@ -86,7 +86,7 @@ def output(result):
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     site_dir = tmp_path_factory.mktemp("site")
-    result = build(os.path.join(ROOT, "mkdocs.yml"), site_dir)
+    result = build(os.path.join(REPO_ROOT, "mkdocs.yml"), site_dir)
     assert result.returncode == 0, output(result)
     # Strict mode aborts on warnings; INFO lines about links would be
     # references mkdocs could not check, so there must be none either.
@@ -145,7 +145,7 @@ def test_key_names_appear_in_the_reference(site):
 def test_benchmark_plots_are_copied_and_embedded(site):
     sources = sorted(
         name
-        for name in os.listdir(os.path.join(ROOT, "docs", "benchmarks"))
+        for name in os.listdir(os.path.join(REPO_ROOT, "docs", "benchmarks"))
         if name.endswith(".png")
     )
     assert len(sources) >= 8, sources
@@ -161,11 +161,11 @@ def test_benchmark_plots_are_copied_and_embedded(site):
 
 def copy_docs(tmp_path):
     """A copy of mkdocs.yml and docs/ whose API reference reads this repo."""
-    shutil.copytree(os.path.join(ROOT, "docs"), tmp_path / "docs")
-    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as handle:
+    shutil.copytree(os.path.join(REPO_ROOT, "docs"), tmp_path / "docs")
+    with open(os.path.join(REPO_ROOT, "mkdocs.yml"), encoding="utf-8") as handle:
         config = handle.read()
     assert "paths: [.]" in config
-    config = config.replace("paths: [.]", f"paths: [{ROOT!r}]")
+    config = config.replace("paths: [.]", f"paths: [{str(REPO_ROOT)!r}]")
     (tmp_path / "mkdocs.yml").write_text(config, encoding="utf-8")
     return tmp_path / "mkdocs.yml"
 

@@ -6,19 +6,19 @@ import subprocess
 import sys
 
 import pytest
+from helpers import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "examples")
+EXAMPLES = os.path.join(REPO_ROOT, "examples")
 
 
 def run(args, timeout=300, cwd=None):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO_ROOT))
     result = subprocess.run(
         [sys.executable, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=cwd or ROOT,
+        cwd=cwd or REPO_ROOT,
         env=env,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -5,8 +5,9 @@ import re
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
+from helpers import REPO_ROOT
+
+README = os.path.join(REPO_ROOT, "README.md")
 
 
 def readme():
@@ -28,7 +29,7 @@ def test_the_fifteen_line_example_trains(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(fifteen_line_example())
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO_ROOT))
     result = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
@@ -48,4 +49,4 @@ def test_readme_links_resolve():
     local = [link for link in links if not re.match(r"[a-z]+://", link)]
     assert local
     for link in local:
-        assert os.path.exists(os.path.join(ROOT, link)), link
+        assert os.path.exists(os.path.join(REPO_ROOT, link)), link
