@@ -1,5 +1,8 @@
-"""Helpers shared by the tests: small models and data, a harness for all-reduce
-hooks, a fresh-interpreter runner and process checks.
+"""What several test modules share; imported by the worker processes too.
+
+Small models and data, a harness for all-reduce hooks, a fresh-interpreter
+runner and process checks. Like `workers.py`, it imports neither pytest nor
+conftest.
 """
 
 import os
