@@ -280,6 +280,10 @@ def test_module_launcher_stops_its_tasks_on_sigint(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell starts background jobs with SIGINT ignored, and the
+        # launcher would inherit that when the suite itself runs in the
+        # background: give it the default, as a terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         pid_files = [str(tmp_path / f"worker_{index}.pid") for index in range(2)]
