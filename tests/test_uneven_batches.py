@@ -78,7 +78,7 @@ def test_four_replicas_with_an_empty_replica(mirrored):
 
 @pytest.mark.multiworker
 def test_uneven_last_batch_in_two_worker_processes():
-    cases = [(5, 4, 1), (1001, 64, 1), (5, 4, 2), (1001, 64, 2)]
+    cases = [(3, 3, 1), (5, 4, 1), (1001, 64, 1), (3, 3, 2), (5, 4, 2), (1001, 64, 2)]
     results = run_workers(workers.uneven_fit, num_workers=2, args=(cases,), timeout=400)
     for index, (examples, batch, steps) in enumerate(cases):
         expected = one_device(examples, batch, steps)
