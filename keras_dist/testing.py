@@ -37,6 +37,10 @@ from keras_dist import _process
 from keras_dist import cluster as cluster_lib
 from keras_dist._validation import check_int, check_real
 
+# How long a finished worker waits for its peers to finish before it exits
+# (see `_wait_for_peers`); the caller's `timeout` bounds the whole run.
+PEER_WAIT_SECONDS = 60.0
+
 
 class WorkerError(RuntimeError):
     """A worker process failed or timed out; carries its traceback and output."""
@@ -106,6 +110,10 @@ def run_workers(
             "kwargs": dict(kwargs or {}),
             "sys_path": list(sys.path),
             "result": os.path.join(workdir, f"result_{index}.pkl"),
+            "peer_results": [
+                os.path.join(workdir, f"result_{peer}.pkl")
+                for peer in range(num_workers)
+            ],
         }
         job_path = os.path.join(workdir, f"job_{index}.pkl")
         with open(job_path, "wb") as handle:
@@ -190,12 +198,30 @@ def _child_main(job_path: str) -> int:
     except BaseException:
         data = pickle.dumps({"traceback": traceback.format_exc()})
         code = 1
-    with open(job["result"], "wb") as handle:
+    # Written whole, then renamed: a peer that sees the file sees all of it.
+    with open(job["result"] + ".tmp", "wb") as handle:
         handle.write(data)
+    os.replace(job["result"] + ".tmp", job["result"])
+    if code == 0:
+        _wait_for_peers(job["peer_results"])
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: TensorFlow's collective threads can block it.
     os._exit(code)
+
+
+def _wait_for_peers(result_paths, timeout=PEER_WAIT_SECONDS):
+    """Stays alive until every worker has its result (or `timeout` passes).
+
+    A worker that leaves right after its last collective can close the
+    socket a peer is still receiving that collective's data through ("Socket
+    closed" in the peer): the peer then fails a step that had succeeded.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(os.path.exists(path) for path in result_paths):
+            return
+        time.sleep(0.05)
 
 
 def _import_function(job):
