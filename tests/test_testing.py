@@ -101,3 +101,24 @@ def test_timeout_must_be_a_number():
 def test_partial_is_rejected_with_a_clear_error():
     with pytest.raises(ValueError, match="module-level function"):
         run_workers(functools.partial(raise_in_worker, "x"))
+
+
+def test_finished_worker_waits_for_its_peers_results(tmp_path):
+    # A worker stays alive until every peer has its result, so its exit
+    # cannot cut a collective a peer is still receiving.
+    import threading
+
+    from keras_dist import testing
+
+    mine, peer = tmp_path / "result_0.pkl", tmp_path / "result_1.pkl"
+    mine.write_bytes(b"done")
+    timer = threading.Timer(0.5, peer.write_bytes, args=(b"done",))
+    timer.start()
+    testing._wait_for_peers([str(mine), str(peer)], timeout=60)
+    # It returned because the peer's result appeared (written at 0.5 s).
+    assert peer.exists()
+    timer.join()
+    # A peer that never answers does not keep it alive past the bound.
+    start = time.monotonic()
+    testing._wait_for_peers([str(mine), str(tmp_path / "missing.pkl")], timeout=0.3)
+    assert time.monotonic() - start < 30
