@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from keras_dist import _compat
 from keras_dist._gradient_statistics import gradient_statistics
-from keras_dist.compression.base import AllReduceHook
+from keras_dist.compression.base import AllReduceHook, _variable_name
 
 
 def check_hook(hook, argument="all_reduce_hook") -> AllReduceHook:
@@ -151,17 +151,18 @@ def _check_reduced(hook, gradients, reduced, variables) -> None:
     for position, (gradient, summed, variable) in enumerate(
         zip(gradients, reduced, variables)
     ):
+        name = _variable_name(variable)
         if summed is None or not hasattr(summed, "dtype"):
             raise TypeError(
                 f"All-reduce hook {hook!r} returned {summed!r} for gradient "
-                f"{position} ({_name(variable)}); `reduce` must return a tensor "
+                f"{position} ({name}); `reduce` must return a tensor "
                 "per input gradient."
             )
         if tf.as_dtype(summed.dtype) != tf.as_dtype(gradient.dtype):
             raise TypeError(
                 f"All-reduce hook {hook!r} returned dtype "
                 f"{tf.as_dtype(summed.dtype).name} for gradient {position} "
-                f"({_name(variable)}) of dtype {tf.as_dtype(gradient.dtype).name}; "
+                f"({name}) of dtype {tf.as_dtype(gradient.dtype).name}; "
                 "`reduce` must return each sum in its gradient's dtype (cast "
                 "back after compressing)."
             )
@@ -170,7 +171,7 @@ def _check_reduced(hook, gradients, reduced, variables) -> None:
         if not got.is_compatible_with(want):
             raise ValueError(
                 f"All-reduce hook {hook!r} returned shape {got} for gradient "
-                f"{position} ({_name(variable)}) of shape {want}; `reduce` must "
+                f"{position} ({name}) of shape {want}; `reduce` must "
                 "return each sum in its gradient's shape."
             )
 
@@ -182,10 +183,6 @@ def _dense_shape(tensor) -> tf.TensorShape:
             return tf.TensorShape([None] * tensor.values.shape.rank)
         return tf.TensorShape(static)
     return tf.TensorShape(tensor.shape)
-
-
-def _name(variable) -> str:
-    return str(getattr(variable, "path", None) or variable.name)
 
 
 def _loss_scaled(optimizer) -> bool:
