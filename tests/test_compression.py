@@ -91,6 +91,22 @@ def test_casts_sum_within_half_precision_tolerance(mirrored, hook_class, rtol):
     np.testing.assert_array_equal(results[-1][0], want[-1])
 
 
+@pytest.mark.parametrize("hook_class", [FP16, BF16])
+def test_casts_on_one_replica_pass_through_with_ratio_one(mirrored, hook_class):
+    # Nothing crosses a wire with one replica: no cast, no precision lost,
+    # and no claim of bytes saved (issue 18).
+    grads = [[np.full((4,), 1.0 + 2.0**-20, "float32")]]
+    hook = hook_class()
+    (got,) = Harness(mirrored(1), hook, [(4,)]).reduce(grads)
+    np.testing.assert_array_equal(got[0], grads[0][0])
+    assert hook.stats().ratio == 1.0
+    assert float(hook.compression_ratio()) == 1.0
+    # With two replicas the same hook class halves the bytes.
+    two = hook_class()
+    Harness(mirrored(2), two, [(4,)]).reduce(random_grads([(4,)], 2))
+    assert two.stats().ratio == 2.0
+
+
 def test_fp16_divides_before_the_sum_so_it_cannot_overflow(mirrored):
     # Each replica's 60000 fits in float16 (max 65504), their sum does not.
     grads = [[np.full((4,), 60000.0, "float32")] for _ in range(2)]
@@ -392,8 +408,6 @@ def test_powersgd_resnet18_ratios_match_the_paper(monkeypatch):
     "hook, module, helpers",
     [
         (NoCompression(), base_module, ["all_reduce_sum"]),
-        (FP16(), casts_module, ["all_reduce_sum"]),
-        (BF16(), casts_module, ["all_reduce_sum"]),
         (TopK(ratio=0.1), topk_module, ["_all_gather_int32", "all_reduce_sum"]),
         (PowerSGD(rank=2, start_step=0), powersgd_module, ["all_reduce_flat"]),
     ],
@@ -418,6 +432,24 @@ def test_stats_count_what_reduce_sends(monkeypatch, hook, module, helpers):
     # The hook can report on a subset (Keras drops `None` gradients).
     hook.reduce(grads[2:], variables[2:])
     assert hook.stats().raw_bytes == (64 * 48 + 5) * 4
+
+
+@pytest.mark.parametrize("hook_class", [FP16, BF16])
+def test_cast_stats_count_what_reduce_sends(monkeypatch, mirrored, hook_class):
+    # On two replicas: with one, a cast hook sends nothing (ratio 1.0).
+    shapes = [(3, 3, 4, 16), (16,), (64, 48), (5,)]
+    dtypes = ["float32", "float32", "float32", "int32"]
+    sent = []
+    record_payload(monkeypatch, casts_module, "all_reduce_sum", sent)
+    hook = hook_class()
+    harness = Harness(mirrored(2), hook, shapes, dtypes)
+    harness.reduce([[np.ones(s, d) for s, d in zip(shapes, dtypes)]] * 2)
+    stats = hook.stats()
+    assert stats.raw_bytes == sum(int(np.prod(s)) * 4 for s in shapes)
+    # Each of the two replicas traced its payload first; the full-size resend
+    # of an overflowed step is traced after it (a `tf.cond` branch).
+    assert sent[:2] == [stats.sent_bytes] * 2
+    assert stats.ratio == stats.raw_bytes / stats.sent_bytes
 
 
 def test_stats_of_known_ratios():
