@@ -1,12 +1,19 @@
 """keras_dist: distributed training for Keras 3 on TensorFlow that works.
 
 Importing this package builds no strategy, touches no GPU and prints nothing.
-It checks that Keras is configured for the TensorFlow backend, then imports
+It checks that Keras is configured for the TensorFlow backend and that the
+installed Keras and TensorFlow are versions it accepts (`_versions.py`: an
+`ImportError` below the minimums, an `UntestedVersionWarning` outside the
+tested range), then imports
 its Keras pieces so that their serializable classes are registered (a
 `.keras` file with a `DistributedModel` loads after `import keras_dist`).
 Only the `keras-dist` command line (`keras-dist ...`, `python -m
 keras_dist ...`) skips that import: the launcher starts its tasks without
 paying for a TensorFlow import, and its subcommands import what they use.
+
+The submodules the documentation uses (`keras_dist.strategy`,
+`keras_dist.memory`, `keras_dist.testing`, ...) are attributes of the package
+after a plain `import keras_dist`, loaded on first access.
 """
 
 from __future__ import annotations
@@ -17,15 +24,24 @@ import sys
 from typing import TYPE_CHECKING
 
 from keras_dist._backend import check_backend
+from keras_dist._versions import check_versions
 
 check_backend()
+check_versions()
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from keras_dist import batch_size as batch_size
     from keras_dist import callbacks as callbacks
     from keras_dist import cluster as cluster
     from keras_dist import compression as compression
+    from keras_dist import memory as memory
+    from keras_dist import models as models
+    from keras_dist import noise_scale as noise_scale
+    from keras_dist import optimizers as optimizers
+    from keras_dist import strategy as strategy
+    from keras_dist import testing as testing
     from keras_dist.batch_size import find_max_batch_size as find_max_batch_size
     from keras_dist.memory import init_memory_growth as init_memory_growth
     from keras_dist.models import DistributedModel as DistributedModel
@@ -43,9 +59,18 @@ _PUBLIC = {
     "auto_strategy": ("keras_dist.strategy", "auto_strategy"),
     "init_memory_growth": ("keras_dist.memory", "init_memory_growth"),
     "find_max_batch_size": ("keras_dist.batch_size", "find_max_batch_size"),
+    # Submodules, so that `keras_dist.strategy.describe_choice()` works after
+    # `import keras_dist` (tests/test_public_api.py covers each).
+    "batch_size": ("keras_dist.batch_size", None),
     "callbacks": ("keras_dist.callbacks", None),
     "cluster": ("keras_dist.cluster", None),
     "compression": ("keras_dist.compression", None),
+    "memory": ("keras_dist.memory", None),
+    "models": ("keras_dist.models", None),
+    "noise_scale": ("keras_dist.noise_scale", None),
+    "optimizers": ("keras_dist.optimizers", None),
+    "strategy": ("keras_dist.strategy", None),
+    "testing": ("keras_dist.testing", None),
 }
 
 __all__ = sorted(_PUBLIC)

@@ -20,13 +20,12 @@ import tensorflow as tf
 
 from keras_dist._backend import check_backend
 
-check_backend()
+# The versions every touch below was verified against, and the policy for
+# others, live in `_versions.py` (checked at `import keras_dist`).
+from keras_dist._versions import TESTED_KERAS as TESTED_KERAS
+from keras_dist._versions import TESTED_TENSORFLOW as TESTED_TENSORFLOW
 
-# The versions every touch below was verified against (the test suite runs
-# on them); older releases down to the declared minimums (TensorFlow 2.16,
-# Keras 3.5) are accepted but untested.
-TESTED_TENSORFLOW = ("2.21", "2.21")
-TESTED_KERAS = ("3.15", "3.15")
+check_backend()
 
 
 # --- Optimizer: the private all-reduce that keras_dist replaces -------------
