@@ -120,6 +120,11 @@ def reduce_and_apply(
     trainable = [v for _, v in pairs]
     if batch_size is not None:
         grads = weight_by_batch_share(grads, batch_size)
+    bind_optimizer = getattr(hook, "bind_optimizer", None)
+    if bind_optimizer is not None:
+        # A hook that applies momentum itself (DGC) checks the optimizer that
+        # applies its sums, and finds its loss scale.
+        bind_optimizer(optimizer)
     reduced = hook.reduce(grads, trainable)
     if len(reduced) != len(grads):
         raise ValueError(
