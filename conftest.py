@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 
-import pytest
 from pytest_markdown_docs import _runners
 from pytest_markdown_docs.plugin import MarkdownTextFile
 

@@ -185,7 +185,12 @@ def describe_choice(
 
 
 def auto_strategy(
-    cpu_replicas: int | None = None, *, startup_timeout: float | None = None
+    cpu_replicas: int | None = None,
+    *,
+    startup_timeout: float | None = None,
+    cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
+    communication_options: tf.distribute.experimental.CommunicationOptions
+    | None = None,
 ) -> tf.distribute.Strategy:
     """Builds the `tf.distribute` strategy that fits this environment.
 
@@ -226,6 +231,21 @@ def auto_strategy(
             `None` reads the `KERAS_DIST_STARTUP_TIMEOUT` environment
             variable, and without it waits `DEFAULT_STARTUP_TIMEOUT` (300 s).
             Defaults to `None`.
+        cross_device_ops: `tf.distribute.CrossDeviceOps` or `None`. How a
+            single-machine `MirroredStrategy` (several GPUs, or
+            `cpu_replicas`) sums gradients across its devices, e.g.
+            `tf.distribute.HierarchicalCopyAllReduce()` for `BF16`
+            compression on GPUs (TensorFlow's NCCL all-reduce has no
+            bfloat16). `None` keeps TensorFlow's choice on GPUs (NCCL where
+            it can) and `ReductionToOneDevice` for `cpu_replicas`. Other
+            strategies reduce their own way and do not use it (logged at
+            INFO), so one script can pass both options. Defaults to `None`.
+        communication_options: `tf.distribute.experimental.CommunicationOptions`
+            or `None`. The collective implementation (`RING` or `NCCL`),
+            `bytes_per_pack` and `timeout_seconds` of a
+            `MultiWorkerMirroredStrategy`; single-process strategies do not
+            use it (logged at INFO). `None` keeps TensorFlow's defaults
+            (`AUTO`). Defaults to `None`.
 
     Returns:
         A `tf.distribute.Strategy`.
@@ -235,8 +255,11 @@ def auto_strategy(
             `cpu_replicas`, ...), before TensorFlow sees the environment.
         ValueError: `startup_timeout` or `KERAS_DIST_STARTUP_TIMEOUT` is
             not a finite number > 0.
-        TypeError: `cpu_replicas` is not an int, or `startup_timeout` not a
-            number.
+        ValueError: `cross_device_ops` is `NcclAllReduce` together with
+            `cpu_replicas` (NCCL sums only between GPUs).
+        TypeError: `cpu_replicas` is not an int, `startup_timeout` not a
+            number, `cross_device_ops` not a `tf.distribute.CrossDeviceOps`
+            or `communication_options` not a `CommunicationOptions`.
         RuntimeError: TensorFlow is already initialised with fewer logical
             CPU devices than `cpu_replicas` (call `auto_strategy` first); this
             process is a `worker` or `ps` task of a parameter-server cluster;
@@ -266,26 +289,89 @@ def auto_strategy(
         allow_none=True,
         hint=f"It is in seconds; `None` reads {STARTUP_TIMEOUT_ENV_VAR}.",
     )
+    _check_reduction_options(cpu_replicas, cross_device_ops, communication_options)
     choice = describe_choice(cpu_replicas=cpu_replicas)
     logger.info("auto_strategy chose %s: %s.", choice.name, choice.reason)
+    _log_unused_options(choice, cross_device_ops, communication_options)
     if cpu_replicas is not None:
-        return _cpu_mirrored(cpu_replicas)
+        return _cpu_mirrored(cpu_replicas, cross_device_ops)
     if choice.name == "TPUStrategy":
         return _tpu_strategy(os.environ, _startup_timeout(startup_timeout))
     if choice.name == "ParameterServerStrategy":
         return _parameter_server_strategy()
     if choice.resolver == "SlurmClusterResolver":
         return _multi_worker(
-            _slurm_resolver(os.environ), _startup_timeout(startup_timeout)
+            _slurm_resolver(os.environ),
+            _startup_timeout(startup_timeout),
+            communication_options,
         )
     if choice.name == "MultiWorkerMirroredStrategy":
         return _multi_worker(
             tf.distribute.cluster_resolver.TFConfigClusterResolver(),
             _startup_timeout(startup_timeout),
+            communication_options,
         )
     if choice.name == "MirroredStrategy":
-        return tf.distribute.MirroredStrategy()
+        if cross_device_ops is None:
+            return tf.distribute.MirroredStrategy()
+        return tf.distribute.MirroredStrategy(cross_device_ops=cross_device_ops)
     return tf.distribute.get_strategy()
+
+
+def _check_reduction_options(cpu_replicas, cross_device_ops, communication_options):
+    """Validates `auto_strategy`'s `cross_device_ops` and `communication_options`."""
+    if cross_device_ops is not None and not isinstance(
+        cross_device_ops, tf.distribute.CrossDeviceOps
+    ):
+        raise TypeError(
+            "`cross_device_ops` must be a `tf.distribute.CrossDeviceOps` "
+            "instance, e.g. `tf.distribute.HierarchicalCopyAllReduce()`. "
+            f"Received: cross_device_ops={cross_device_ops!r}. Pass an "
+            "instance, not the class or a name."
+        )
+    # The exported name is a factory; its instances are of another class.
+    options_type = type(tf.distribute.experimental.CommunicationOptions())
+    if communication_options is not None and not isinstance(
+        communication_options, options_type
+    ):
+        raise TypeError(
+            "`communication_options` must be a "
+            "`tf.distribute.experimental.CommunicationOptions`. Received: "
+            f"communication_options={communication_options!r}. Build one, e.g. "
+            "`CommunicationOptions(implementation=tf.distribute.experimental."
+            "CommunicationImplementation.RING)`."
+        )
+    if cpu_replicas is not None and isinstance(
+        cross_device_ops, tf.distribute.NcclAllReduce
+    ):
+        raise ValueError(
+            "`cross_device_ops=NcclAllReduce()` sums only between GPUs, but "
+            f"`cpu_replicas={cpu_replicas}` mirrors over CPU devices. "
+            f"Received: cross_device_ops={cross_device_ops!r}. Use "
+            "`tf.distribute.ReductionToOneDevice()` (the default for CPU "
+            "replicas) or drop `cpu_replicas` on a machine with GPUs."
+        )
+
+
+def _log_unused_options(choice, cross_device_ops, communication_options):
+    """Says which reduction option the chosen strategy does not use."""
+    single_machine = choice.name == "MirroredStrategy"
+    if cross_device_ops is not None and not single_machine:
+        logger.info(
+            "auto_strategy: %s does not use cross_device_ops=%r (it is for a "
+            "single-machine MirroredStrategy).",
+            choice.name,
+            cross_device_ops,
+        )
+    if (
+        communication_options is not None
+        and choice.name != "MultiWorkerMirroredStrategy"
+    ):
+        logger.info(
+            "auto_strategy: %s does not use communication_options (they are "
+            "for MultiWorkerMirroredStrategy).",
+            choice.name,
+        )
 
 
 def _startup_timeout(startup_timeout):
@@ -309,7 +395,9 @@ def _startup_timeout(startup_timeout):
     return value
 
 
-def _multi_worker(resolver, startup_timeout: float) -> tf.distribute.Strategy:
+def _multi_worker(
+    resolver, startup_timeout: float, communication_options=None
+) -> tf.distribute.Strategy:
     """Waits for the other tasks, then builds MultiWorkerMirroredStrategy."""
     cluster_lib.wait_for_cluster(
         resolver.cluster_spec().as_dict(),
@@ -319,7 +407,14 @@ def _multi_worker(resolver, startup_timeout: float) -> tf.distribute.Strategy:
     )
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if in_main_thread else None
-    built = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    options = (
+        {}
+        if communication_options is None
+        else {"communication_options": communication_options}
+    )
+    built = tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=resolver, **options
+    )
     # TensorFlow's coordination service has installed a C handler that only
     # records SIGTERM (a preemption notice), so the process would not stop.
     # `previous` is `None` when Python did not know the handler before.
@@ -444,7 +539,7 @@ def _check_cpu_replicas(cpu_replicas):
     )
 
 
-def _cpu_mirrored(cpu_replicas: int) -> tf.distribute.Strategy:
+def _cpu_mirrored(cpu_replicas: int, cross_device_ops=None) -> tf.distribute.Strategy:
     if cpu_replicas > 1:
         cpu = tf.config.list_physical_devices("CPU")[0]
         configured = tf.config.get_logical_device_configuration(cpu)
@@ -467,7 +562,8 @@ def _cpu_mirrored(cpu_replicas: int) -> tf.distribute.Strategy:
     # NCCL cannot reduce between CPU devices; say so instead of letting
     # MirroredStrategy warn about it.
     return tf.distribute.MirroredStrategy(
-        devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+        devices,
+        cross_device_ops=cross_device_ops or tf.distribute.ReductionToOneDevice(),
     )
 
 

@@ -197,3 +197,25 @@ def compressed_fit(hook_configs, epochs=2, batch_size=16):
             }
         )
     return results
+
+
+def strategy_with_communication_options():
+    """`auto_strategy(communication_options=...)` in a real worker: the options
+    reach MultiWorkerMirroredStrategy, and a collective sums across workers."""
+    import tensorflow as tf
+
+    import keras_dist
+
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+        timeout_seconds=120,
+    )
+    strategy = keras_dist.auto_strategy(communication_options=options)
+    total = strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+    used = strategy.extended._communication_options
+    return (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy),
+        float(total),
+        used.implementation.name,
+        used.timeout_seconds,
+    )
