@@ -317,3 +317,105 @@ def bind_fit_arguments(model, args, kwargs) -> dict:
     values = dict(arguments.arguments)
     values.pop("self", None)
     return values
+
+
+# --- `fit`'s epoch iterator, for an exact mid-epoch resume -------------------
+#
+# `BackupAndRestore` resumes inside an epoch: it must know how many batches
+# the input iterator of Keras's `fit` had handed out (`EpochIterator`'s
+# `_steps_seen`), whether the next epoch gets a fresh iterator, and it must
+# set that count back after a restart so Keras re-creates its iterator at
+# the same batch as before. The epoch iterator is a local of
+# `keras/src/backend/tensorflow/trainer.py`'s `fit`; Keras has no public
+# access to it (stock `BackupAndRestore` resumes at the epoch only, and sets
+# the private `_initial_epoch` for it).
+
+_EPOCH_ITERATOR_LOCAL = "epoch_iterator"
+
+
+def fit_epoch_iterator(model):
+    """Returns the `EpochIterator` of the `fit` of `model` that is running.
+
+    Called from a callback's `on_train_begin`: looks up the call stack for
+    Keras's `fit` frame of this model. Returns `None` when there is none
+    (the callback was called by hand).
+    """
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get(_EPOCH_ITERATOR_LOCAL)
+            if (
+                isinstance(candidate, EpochIterator)
+                and frame.f_code.co_name == "fit"
+                and frame.f_locals.get("self") is model
+            ):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def epoch_iterator_position(epoch_iterator) -> int:
+    """Batches handed out by the iterator `fit` is reading from now."""
+    return int(epoch_iterator._steps_seen)
+
+
+def set_epoch_iterator_position(epoch_iterator, position: int) -> None:
+    epoch_iterator._steps_seen = int(position)
+
+
+def next_epoch_starts_fresh(epoch_iterator) -> bool:
+    """Whether the next epoch of `fit` reads from a new input iterator.
+
+    Keras re-creates it every epoch without `steps_per_epoch`, and when the
+    data ran out; otherwise the next epoch goes on where this one stopped.
+    """
+    return (
+        epoch_iterator.steps_per_epoch is None
+        or epoch_iterator._current_iterator is None
+    )
+
+
+def set_initial_epoch(model, epoch: int | None) -> None:
+    """Makes the next `fit` of `model` start at `epoch` (as stock Keras's
+    `BackupAndRestore` does); `None` clears it."""
+    model._initial_epoch = None if epoch is None else int(epoch)
+
+
+# --- Stock Keras callbacks that write files ----------------------------------
+#
+# Keras's `BackupAndRestore` keeps its paths in private attributes (set in
+# its `__init__`); on a worker that is not the chief, `DistributedModel.fit`
+# points them at a temporary folder once the backup was read, so that only
+# the chief writes the shared one.
+
+_STOCK_BACKUP_PATHS = {
+    "backup_dir": "",
+    "_weights_path": "latest.weights.h5",
+    "_training_metadata_path": "training_metadata.json",
+    "_prev_weights_path": "latest.weights.h5.bkp",
+    "_prev_training_metadata_path": "training_metadata.json.bkp",
+}
+
+
+def redirect_stock_backup(callback, folder: str) -> dict:
+    """Points a `keras.callbacks.BackupAndRestore` at `folder`.
+
+    Returns the attributes it replaced, for `restore_attributes`.
+    """
+    import os
+
+    previous = {name: getattr(callback, name) for name in _STOCK_BACKUP_PATHS}
+    for name, file_name in _STOCK_BACKUP_PATHS.items():
+        setattr(
+            callback, name, os.path.join(folder, file_name) if file_name else folder
+        )
+    return previous
+
+
+def restore_attributes(obj, previous: dict) -> None:
+    for name, value in previous.items():
+        setattr(obj, name, value)

@@ -29,6 +29,9 @@ from typing import IO
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 EXIT_INTERRUPTED = 130
+# A task that wrote a backup after SIGTERM (preemption) and asks to be
+# restarted (BSD sysexits EX_TEMPFAIL: "try again later").
+EXIT_PREEMPTED = 75
 EXIT_CANNOT_START = 127
 # Too few file descriptors (or processes) to start every task.
 EXIT_NO_RESOURCES = 1

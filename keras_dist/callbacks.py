@@ -24,13 +24,16 @@ import dataclasses
 import logging
 import math
 import numbers
+import os
+import signal
+import threading
 import weakref
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import _compat, _gradient_statistics
+from keras_dist import _backup, _compat, _gradient_statistics, _process
 from keras_dist._fit_data import BatchesFitData
 from keras_dist._validation import check_bool, check_choice, check_int, check_real
 from keras_dist.noise_scale import (
@@ -505,6 +508,7 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
                 model.make_train_function(force=True)
             fit.last_totals = fit.statistics.read()
         self._fit = fit
+        register_backup_state(model, "AutoScaleBatch", self)
         self._tell_how_to_batch(fit_data)
         logger.info(
             "AutoScaleBatch: global batch %d = %d per replica x %d replicas x %d "
@@ -518,6 +522,9 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         )
 
     def on_train_batch_begin(self, batch, logs=None):
+        if _is_replayed(self.model, batch):
+            # Trained before a restart (BackupAndRestore): counted already.
+            return
         fit = self._fit
         fit.batch_begin = batch
         # Set the rate for the first update this call may complete.
@@ -532,6 +539,8 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
             )
 
     def on_train_batch_end(self, batch, logs=None):
+        if _is_replayed(self.model, batch):
+            return
         fit = self._fit
         micro = max(1, batch - fit.batch_begin + 1)
         total = fit.pending_micro_steps + micro
@@ -555,6 +564,61 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         )
         if self.adaptive:
             logs["noise_scale"] = float(self.noise_scale)
+
+    # --- BackupAndRestore ---------------------------------------------------------
+
+    def backup_state(self) -> dict:
+        """This callback's state in this `fit`, for `BackupAndRestore` (JSON)."""
+        fit, run = self._fit, self._run
+        state = {
+            "run": {
+                "base_learning_rate": run.base_learning_rate,
+                "base_batch_size": run.base_batch_size,
+                "origin_updates": run.origin_updates,
+                "origin_micro_steps": run.origin_micro_steps,
+                "last_learning_rate": run.last_learning_rate,
+            },
+            "fit": {
+                "accumulation_steps": fit.accumulation_steps,
+                "updates": fit.updates,
+                "micro_steps": fit.micro_steps,
+                "pending_micro_steps": fit.pending_micro_steps,
+                "multiplier": fit.multiplier,
+                "updates_since_decision": fit.updates_since_decision,
+                "last_totals": list(fit.last_totals) if fit.last_totals else None,
+                "measurements": [dataclasses.asdict(m) for m in fit.measurements],
+            },
+        }
+        if fit.controller is not None:
+            state["controller"] = {
+                "ema_gradient_sq_norm": fit.controller.ema_gradient_sq_norm,
+                "ema_trace_covariance": fit.controller.ema_trace_covariance,
+                "windows": fit.controller.windows,
+            }
+        return state
+
+    def restore_backup_state(self, state: dict) -> None:
+        """Puts back what `backup_state` returned (the variables, such as
+        `accumulation_steps`, come back with the model's)."""
+        fit, run = self._fit, self._run
+        for key, value in state["run"].items():
+            setattr(run, key, value)
+        saved = dict(state["fit"])
+        saved["last_totals"] = (
+            tuple(saved["last_totals"]) if saved["last_totals"] else None
+        )
+        saved["measurements"] = [
+            NoiseScaleMeasurement(**m) for m in saved["measurements"]
+        ]
+        multiplier = saved.pop("multiplier")
+        for key, value in saved.items():
+            setattr(fit, key, value)
+        if "controller" in state and fit.controller is not None:
+            for key, value in state["controller"].items():
+                setattr(fit.controller, key, value)
+        fit.multiplier = None
+        if multiplier is not None:
+            self._apply_multiplier(multiplier)
 
     # --- Learning rate -----------------------------------------------------------
 
@@ -724,3 +788,492 @@ def _find_scaled_schedule(optimizer):
 def _has_float_learning_rate(optimizer):
     innermost = list(_compat.nested_optimizers(optimizer))[-1]
     return isinstance(innermost.get_config().get("learning_rate"), numbers.Real)
+
+
+# --- BackupAndRestore ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Resume:
+    """Where a resumed `fit` goes on, read from the backup.
+
+    Attributes:
+        epoch: Int. The epoch to resume in.
+        calls: Int. Calls of the train function already done in that epoch
+            (each runs `steps_per_execution` batches): `fit` calls the
+            callbacks for them again, but the train function only returns
+            the backup's logs.
+        position: Int. Batches the input iterator had handed out when the
+            backup was written; a fresh iterator skips as many.
+        logs: Dict. The logs of the last step before the backup.
+        path: String. The backup's folder.
+        manifest: Dict. Its manifest.
+        values: List of arrays. Its variable values.
+    """
+
+    epoch: int
+    calls: int
+    position: int
+    logs: dict
+    path: str
+    manifest: dict
+    values: list
+    # Set once the variables are assigned (at the first batch).
+    restored: bool = False
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up the whole training state; after a failure, `fit` resumes exactly.
+
+    Pass it to `fit` with the same `backup_dir` on every run of the job (on
+    every worker). When `fit` starts and `backup_dir` holds a backup, the
+    training state is restored from it and `fit` goes on at the epoch *and
+    step* where the backup was written: the batches the interrupted run had
+    already consumed in that epoch are skipped, so with a deterministic
+    input pipeline the resumed run sees the same batches and ends with the
+    same weights as a run that was never interrupted.
+
+    What a backup holds: the model's variables, the optimizer's (slots,
+    `iterations`, and a `GradientAccumulationOptimizer`'s accumulated
+    gradients and pending micro-steps), the all-reduce hook's state (error
+    feedback, PowerSGD factors, TopK residuals), `AutoScaleBatch`'s state
+    (effective batch, learning-rate scaling, noise-scale averages), the
+    metrics' running sums, the epoch, the step and the input position.
+    State that each replica keeps for itself is saved per replica (gathered
+    from every worker with one all-gather), and each replica gets its own
+    copy back.
+
+    Under several workers only the chief (worker 0 when there is no chief)
+    writes `backup_dir`; the other workers write nothing. Every worker reads
+    the backup when `fit` starts, so `backup_dir` must be on storage that
+    every worker can read (a shared file system, a volume mounted on every
+    pod). The workers check that they all found the same backup.
+
+    A backup is written beside the previous one and becomes current only
+    when complete (an atomic rename), so a process killed during a save
+    leaves the previous backup usable; an unreadable newest backup falls
+    back to the previous one with a warning. A backup written by another
+    model, optimizer or hook, or by another number of workers or replicas,
+    is a `ValueError`; so is a directory that holds backups of which none is
+    usable: `fit` never starts over silently.
+
+    Preemption: `SIGTERM` to any worker while `fit` runs makes every worker
+    write a backup at the next step boundary (the workers agree on it with a
+    one-number all-reduce per step) and exit with status 75
+    (`keras_dist.callbacks.EXIT_PREEMPTED`), which `keras-dist launch
+    --max-restarts` restarts; the resumed run loses at most the step in
+    flight.
+
+    Which input pipelines resume exactly:
+
+    - data read whole every epoch (no `steps_per_epoch`): a `tf.data`
+      pipeline without shuffling or with `shuffle(..., seed=...,
+      reshuffle_each_iteration=False)`, or NumPy arrays with `shuffle=False`;
+    - one endless stream with `steps_per_epoch`: `dataset.shuffle(n,
+      seed=...).repeat()` reshuffles every epoch and still resumes exactly
+      (the resumed run re-reads the stream from its start and skips what was
+      consumed).
+
+    Pipelines that are random in a way a new process cannot replay (NumPy
+    arrays with `fit(shuffle=True)`, an unseeded `shuffle`, a seeded one
+    with `reshuffle_each_iteration=True` read anew every epoch) resume at
+    the right step and state, but the rest of that epoch sees other batches
+    than the interrupted run would have.
+
+    Order: list this callback first in `callbacks` when training a plain
+    `keras.Model` (`DistributedModel.fit` puts it first itself), so that the
+    state is restored before other callbacks read it. For the batches that
+    are skipped, callbacks still get `on_train_batch_begin` and
+    `on_train_batch_end`, with the logs of the backup.
+
+    Args:
+        backup_dir: String or path. Where the backups are written. The
+            folder is created if needed.
+        save_freq: `"epoch"` or int >= 1. `"epoch"` writes a backup at the
+            end of every epoch; an int, after every that many batches.
+            Defaults to `"epoch"`.
+        delete_checkpoint: Bool. Whether to delete the backups when `fit`
+            ends normally. Defaults to `True`.
+
+    Raises:
+        TypeError: `backup_dir` is not a string or path, `save_freq` not an
+            int, or `delete_checkpoint` not a bool.
+        ValueError: `backup_dir` is empty, or `save_freq` is neither
+            `"epoch"` nor >= 1.
+
+    Example:
+
+    ```python
+    import keras
+    import numpy as np
+    import keras_dist
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model = keras_dist.DistributedModel.from_model(
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    backup = keras_dist.callbacks.BackupAndRestore("/tmp/kd_backup", save_freq=2)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, callbacks=[backup])
+    ```
+    """
+
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+        super().__init__()
+        if not isinstance(backup_dir, (str, os.PathLike)):
+            raise TypeError(
+                "`backup_dir` must be a string or a path. Received: "
+                f"backup_dir={backup_dir!r} of type {type(backup_dir).__name__}."
+            )
+        backup_dir = os.fspath(backup_dir)
+        if not backup_dir:
+            raise ValueError(
+                "`backup_dir` must name a folder. Received: backup_dir=''. Pass "
+                "the folder where the backups go, e.g. '/shared/run1/backup'."
+            )
+        self.backup_dir = backup_dir
+        if save_freq != "epoch":
+            save_freq = check_int(
+                "save_freq", save_freq, minimum=1, hint='Or pass save_freq="epoch".'
+            )
+        self.save_freq = save_freq
+        self.delete_checkpoint = check_bool("delete_checkpoint", delete_checkpoint)
+        self._resume: _Resume | None = None
+        self._epoch_iterator = None
+        self._strategy = None
+        self._epoch = 0
+        self._batch_begin = 0
+        self._batches_since_save = 0
+        self._preempted = False
+        self._previous_sigterm = None
+        self._in_fit = False
+        self._train_function = None
+
+    # --- fit hooks -------------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        self._strategy = model.distribute_strategy
+        self._epoch_iterator = _compat.fit_epoch_iterator(model)
+        if self._epoch_iterator is None:
+            raise RuntimeError(
+                "BackupAndRestore works inside `model.fit(..., callbacks=[...])`: "
+                "it could not find the running `fit` of this model."
+            )
+        self._in_fit = True
+        self._epoch = 0
+        self._batches_since_save = 0
+        self._preempted = False
+        self._resume = None
+        self._train_function = None
+        found = _backup.read_latest(self.backup_dir)
+        if found is not None:
+            path, manifest, values = found
+            if manifest["steps_per_execution"] != model.steps_per_execution:
+                raise _backup.BackupError(
+                    f"The backup in {path} was written with steps_per_execution="
+                    f"{manifest['steps_per_execution']}; this model has "
+                    f"steps_per_execution={model.steps_per_execution}. Compile "
+                    "with the same value to resume."
+                )
+            self._resume = _Resume(
+                epoch=manifest["epoch"],
+                calls=manifest["calls"],
+                position=manifest["position"],
+                logs=manifest["logs"],
+                path=path,
+                manifest=manifest,
+                values=values,
+            )
+            _compat.set_initial_epoch(model, self._resume.epoch)
+            _set_replay(model, self._resume.epoch, self._resume.calls * self._spx)
+        else:
+            _compat.set_initial_epoch(model, None)
+            _set_replay(model, None, 0)
+        self._install_sigterm_handler()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch_begin = batch
+        resume = self._resume
+        if resume is not None and not resume.restored:
+            # Restored here, after every callback's `on_train_begin` (state
+            # they create, such as AutoScaleBatch's gradient statistics, is
+            # in the backup too) and after `fit` reset the metrics.
+            self._restore(resume)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if _is_replayed(self.model, batch):
+            return
+        self._batches_since_save += max(1, batch - self._batch_begin + 1)
+        if self._agree_on_preemption():
+            self._save(epoch=self._epoch, calls=batch // self._spx + 1, logs=logs)
+            logger.warning(
+                "BackupAndRestore: preempted (SIGTERM); backup written at epoch "
+                "%d, batch %d. Exiting with status %d for a restart.",
+                self._epoch,
+                batch,
+                _process.EXIT_PREEMPTED,
+            )
+            self._restore_sigterm_handler()
+            raise SystemExit(_process.EXIT_PREEMPTED)
+        if self.save_freq != "epoch" and self._batches_since_save >= self.save_freq:
+            self._save(epoch=self._epoch, calls=batch // self._spx + 1, logs=logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        _set_replay(self.model, None, 0)
+        if self._train_function is not None:
+            # A backup written at the end of the epoch: every call of it was
+            # replayed; the next epoch trains with the real function.
+            self.model.train_function = self._train_function
+            self._train_function = None
+        if self.save_freq == "epoch":
+            self._save(epoch=epoch + 1, calls=0, logs=logs)
+
+    def on_train_end(self, logs=None):
+        self._end_fit()
+        if self.delete_checkpoint and self._is_chief():
+            _backup.remove_all(self.backup_dir)
+
+    # --- Saving and restoring --------------------------------------------------------
+
+    @property
+    def _spx(self) -> int:
+        return int(self.model.steps_per_execution)
+
+    def _is_chief(self) -> bool:
+        return bool(self._strategy.extended.should_checkpoint)
+
+    def _save(self, epoch, calls, logs):
+        """Writes a backup (chief) after gathering per-replica state (all)."""
+        model = self.model
+        self._batches_since_save = 0
+        if calls == 0 and not _compat.next_epoch_starts_fresh(self._epoch_iterator):
+            position = _compat.epoch_iterator_position(self._epoch_iterator)
+        elif calls == 0:
+            position = 0
+        else:
+            position = _compat.epoch_iterator_position(self._epoch_iterator)
+        items = _backup.inventory(model)
+        values = _backup.read_values(items, self._strategy)
+        if not self._is_chief():
+            return
+        replicas = self._strategy.num_replicas_in_sync
+        manifest = {
+            "format": _backup.FORMAT,
+            "version": _backup.FORMAT_VERSION,
+            "keras_dist": _version(),
+            "epoch": int(epoch),
+            "calls": int(calls),
+            "position": int(position),
+            "steps_per_execution": self._spx,
+            "replicas": replicas,
+            "workers": _workers(self._strategy),
+            "logs": _float_logs(logs),
+            "callbacks": _provider_states(model),
+            "variables": _backup.describe(items, values),
+        }
+        name = _backup.write(self.backup_dir, values, manifest)
+        logger.info(
+            "BackupAndRestore: wrote %s (epoch %d, %d calls into it).",
+            os.path.join(self.backup_dir, name),
+            epoch,
+            calls,
+        )
+
+    def _restore(self, resume: _Resume):
+        model = self.model
+        items = _backup.inventory(model)
+        _backup.check_compatible(resume.manifest, items, self._strategy, resume.path)
+        _check_same_backup_everywhere(self._strategy, resume)
+        _backup.assign_values(items, resume.values, self._strategy)
+        _restore_provider_states(model, resume.manifest.get("callbacks", {}))
+        resume.restored = True
+        logger.warning(
+            "BackupAndRestore: resumed from %s at epoch %d, after %d batches of it.",
+            resume.path,
+            resume.epoch,
+            resume.calls * self._spx,
+        )
+        if resume.calls or resume.position:
+            self._train_function = model.train_function
+            model.train_function = _replaying_train_function(
+                model, model.train_function, resume, self._epoch_iterator, self._spx
+            )
+
+    # --- Preemption -------------------------------------------------------------
+
+    def _install_sigterm_handler(self):
+        if threading.current_thread() is not threading.main_thread():
+            return
+        callback = weakref.ref(self)
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            owner = callback()
+            if owner is not None and owner._in_fit:
+                owner._preempted = True
+                return
+            # Not training any more: behave as before.
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        self._previous_sigterm = (previous,)
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _restore_sigterm_handler(self):
+        if self._previous_sigterm is not None:
+            (previous,) = self._previous_sigterm
+            self._previous_sigterm = None
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+
+    def _end_fit(self):
+        self._in_fit = False
+        self._restore_sigterm_handler()
+        _set_replay(self.model, None, 0)
+        _compat.set_initial_epoch(self.model, None)
+
+    def _agree_on_preemption(self) -> bool:
+        """Whether any worker received SIGTERM (a collective on several workers)."""
+        if _workers(self._strategy) == 1:
+            return self._preempted
+        flag = 1.0 if self._preempted else 0.0
+        value = self._strategy.experimental_distribute_values_from_function(
+            lambda context: tf.constant(flag)
+        )
+        total = self._strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+        return float(total) > 0
+
+
+EXIT_PREEMPTED = _process.EXIT_PREEMPTED
+
+
+def _workers(strategy) -> int:
+    return strategy.num_replicas_in_sync // len(strategy.extended.worker_devices)
+
+
+def _version() -> str:
+    from keras_dist import __version__
+
+    return __version__
+
+
+def _float_logs(logs) -> dict:
+    result = {}
+    for key, value in (logs or {}).items():
+        try:
+            result[key] = float(keras.ops.convert_to_numpy(value))
+        except (TypeError, ValueError):
+            continue
+    return result
+
+
+# State of other callbacks (AutoScaleBatch) that a backup carries: they
+# register on the model in `on_train_begin`.
+_PROVIDERS = "_keras_dist_backup_providers"
+_REPLAY = "_keras_dist_replay"
+
+
+def register_backup_state(model, name: str, provider) -> None:
+    """Makes `BackupAndRestore` save `provider.backup_state()` under `name`."""
+    providers = getattr(model, _PROVIDERS, None)
+    if providers is None:
+        providers = {}
+        _compat.set_untracked_attribute(model, _PROVIDERS, providers)
+    providers[name] = weakref.ref(provider)
+
+
+def _provider_states(model) -> dict:
+    states = {}
+    for name, reference in getattr(model, _PROVIDERS, {}).items():
+        provider = reference()
+        if provider is not None:
+            states[name] = provider.backup_state()
+    return states
+
+
+def _restore_provider_states(model, states: dict) -> None:
+    providers = getattr(model, _PROVIDERS, {})
+    for name, state in states.items():
+        provider = providers.get(name)
+        provider = provider() if provider is not None else None
+        if provider is None:
+            raise _backup.BackupError(
+                f"The backup holds the state of {name}, but this fit has no "
+                f"{name} callback. Pass the same callbacks to resume exactly."
+            )
+        provider.restore_backup_state(state)
+    for name in providers:
+        if name not in states and providers[name]() is not None:
+            raise _backup.BackupError(
+                f"This fit has a {name} callback, but the backup holds no state "
+                "of one. Pass the same callbacks as the run that wrote it."
+            )
+
+
+def _set_replay(model, epoch, batches) -> None:
+    _compat.set_untracked_attribute(model, _REPLAY, (epoch, batches))
+
+
+def _is_replayed(model, batch) -> bool:
+    """Whether `batch` was already trained by the run a backup came from."""
+    epoch, batches = getattr(model, _REPLAY, (None, 0))
+    return epoch is not None and batch < batches
+
+
+def _check_same_backup_everywhere(strategy, resume: _Resume) -> None:
+    """Every worker must resume from the same backup (a shared folder)."""
+    if _workers(strategy) == 1:
+        return
+    digest = int(resume.manifest["sha256"][:12], 16)
+    mine = np.array([digest, resume.epoch, resume.calls], dtype=np.int64)
+    _, local = _backup._worker_layout(strategy)
+    gathered = _backup._gather([[mine] * local], strategy)[0]
+    if not (gathered == gathered[0]).all():
+        raise _backup.BackupError(
+            "The workers found different backups in `backup_dir` (is it on "
+            "storage every worker reads? a folder local to each machine is "
+            f"not). Per replica (sha256 prefix, epoch, calls): {gathered.tolist()}."
+        )
+
+
+def _replaying_train_function(model, train_function, resume, epoch_iterator, spx):
+    """The train function for the resumed epoch's already-trained batches.
+
+    Its first call reads the `resume.position` batches the interrupted run
+    had consumed from the input iterator; its first `resume.calls` calls
+    return the backup's logs without training; the next one trains and puts
+    `train_function` back.
+    """
+    state = {"skip": resume.position, "call": 0}
+
+    def replay(iterator):
+        if state["skip"]:
+            try:
+                for _ in range(state["skip"]):
+                    iterator.get_next()
+            except tf.errors.OutOfRangeError as error:
+                raise _backup.BackupError(
+                    f"The backup in {resume.path} was written after "
+                    f"{resume.position} batches of the input, but the input "
+                    "ran out before that: resume with the same data and "
+                    "batch size."
+                ) from error
+            state["skip"] = 0
+        call = state["call"]
+        state["call"] += 1
+        # What Keras's epoch iterator counted at this call in the first run,
+        # so that it re-creates its input iterator at the same batch.
+        _compat.set_epoch_iterator_position(
+            epoch_iterator, resume.position + (call + 1 - resume.calls) * spx
+        )
+        if call < resume.calls:
+            return dict(resume.logs)
+        model.train_function = train_function
+        return train_function(iterator)
+
+    return replay
