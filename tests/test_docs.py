@@ -162,6 +162,8 @@ def test_benchmark_plots_are_copied_and_embedded(site):
 def copy_docs(tmp_path):
     """A copy of mkdocs.yml and docs/ whose API reference reads this repo."""
     shutil.copytree(os.path.join(REPO_ROOT, "docs"), tmp_path / "docs")
+    # docs/index.md includes sections of the README (pymdownx.snippets).
+    shutil.copy(os.path.join(REPO_ROOT, "README.md"), tmp_path / "README.md")
     with open(os.path.join(REPO_ROOT, "mkdocs.yml"), encoding="utf-8") as handle:
         config = handle.read()
     assert "paths: [.]" in config
