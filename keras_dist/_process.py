@@ -32,6 +32,8 @@ EXIT_INTERRUPTED = 130
 # A task that wrote a backup after SIGTERM (preemption) and asks to be
 # restarted (BSD sysexits EX_TEMPFAIL: "try again later").
 EXIT_PREEMPTED = 75
+# This process (the launcher) received SIGTERM.
+EXIT_TERMINATED = 128 + signal.SIGTERM
 EXIT_CANNOT_START = 127
 # Too few file descriptors (or processes) to start every task.
 EXIT_NO_RESOURCES = 1
@@ -280,6 +282,7 @@ def run_tasks(
     say: Callable[[str], None],
     grace_period: float,
     coordinator: str | None = None,
+    failure: list | None = None,
 ) -> int:
     """Starts every task, streams its prefixed output, and supervises them.
 
@@ -296,6 +299,8 @@ def run_tasks(
         grace_period: Float. Seconds between SIGTERM and SIGKILL.
         coordinator: String or `None`. Name of the task whose success ends
             the job. Defaults to `None`.
+        failure: List or `None`. When given, the `(name, returncode)` of the
+            task that failed is appended to it. Defaults to `None`.
 
     Returns:
         `0` on success; else the exit status of the first task that failed,
@@ -318,13 +323,13 @@ def run_tasks(
             task = Task(spec, process)
             tasks.append(task)
             task.reader = output.follow(task)
-        return _supervise(tasks, say, coordinator)
+        return _supervise(tasks, say, coordinator, failure)
     except KeyboardInterrupt:
         say("interrupted; stopping all tasks.")
         return EXIT_INTERRUPTED
     except Terminated:
         say("received SIGTERM; stopping all tasks.")
-        return 128 + signal.SIGTERM
+        return EXIT_TERMINATED
     finally:
         # Stopping is bounded by `grace_period`; a SIGTERM now must not cut
         # it short and leave tasks behind.
@@ -335,7 +340,7 @@ def run_tasks(
         _restore_sigterm_handler(previous_sigterm)
 
 
-def _supervise(tasks: list[Task], say, coordinator: str | None) -> int:
+def _supervise(tasks: list[Task], say, coordinator: str | None, failure=None) -> int:
     """Waits for the tasks that do not serve; returns the exit status."""
     pending = [task for task in tasks if not task.spec.serves]
     servers = [task for task in tasks if task.spec.serves]
@@ -347,6 +352,8 @@ def _supervise(tasks: list[Task], say, coordinator: str | None) -> int:
         code = exited.returncode
         # Let its last lines out before any message about it.
         task.reader.join(timeout=READER_JOIN_TIMEOUT)
+        if code != 0 and failure is not None:
+            failure.append((task.name, code))
         if task.spec.serves:
             say(
                 f"parameter server {task.name} stopped with "

@@ -21,11 +21,14 @@ importable from here too); the callback feeds it and applies its decisions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import numbers
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import weakref
 
@@ -1277,3 +1280,79 @@ def _replaying_train_function(model, train_function, resume, epoch_iterator, spx
         return train_function(iterator)
 
     return replay
+
+
+# --- Callbacks of DistributedModel.fit ---------------------------------------------
+
+
+def fit_callbacks(model, callbacks):
+    """Returns the callbacks `DistributedModel.fit` runs, and a cleanup function.
+
+    `BackupAndRestore` goes first, so the state is back before other
+    callbacks read it. Under several workers, on every worker but the chief,
+    Keras's own `BackupAndRestore` reads the shared backup but then writes
+    to a temporary folder, and `ModelCheckpoint` writes to one: otherwise
+    every worker writes the same files (h5py fails with `BlockingIOError:
+    unable to lock file`, or the files are garbled). The temporary folders
+    are removed when `fit` ends.
+    """
+    if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks, lambda: None
+    callbacks = list(callbacks)
+    ours = [c for c in callbacks if isinstance(c, BackupAndRestore)]
+    if len(ours) > 1:
+        raise ValueError(
+            "Pass at most one keras_dist BackupAndRestore to `fit`. Received: "
+            f"{len(ours)} of them."
+        )
+    others = [c for c in callbacks if not isinstance(c, BackupAndRestore)]
+    cleanups = [callback._end_fit for callback in ours]
+    strategy = model.distribute_strategy
+    if _workers(strategy) > 1 and not strategy.extended.should_checkpoint:
+        redirected = []
+        for callback in others:
+            redirected.append(callback)
+            if isinstance(callback, keras.callbacks.BackupAndRestore):
+                folder = tempfile.mkdtemp(prefix="keras_dist_backup_")
+                follower = _RedirectAfterRestore(callback, folder)
+                redirected.append(follower)
+                cleanups.append(follower.undo)
+            elif isinstance(callback, keras.callbacks.ModelCheckpoint):
+                folder = tempfile.mkdtemp(prefix="keras_dist_checkpoint_")
+                previous = callback.filepath
+                callback.filepath = os.path.join(folder, os.path.basename(previous))
+                cleanups.append(
+                    functools.partial(_undo_checkpoint, callback, previous, folder)
+                )
+        others = redirected
+
+    def finish():
+        for cleanup in cleanups:
+            cleanup()
+
+    return ours + others, finish
+
+
+class _RedirectAfterRestore(keras.callbacks.Callback):
+    """Points a stock BackupAndRestore at a temporary folder once it has read
+    the shared backup (it follows it in the callback list)."""
+
+    def __init__(self, callback, folder):
+        super().__init__()
+        self._callback = callback
+        self._folder = folder
+        self._previous = None
+
+    def on_train_begin(self, logs=None):
+        self._previous = _compat.redirect_stock_backup(self._callback, self._folder)
+
+    def undo(self):
+        if self._previous is not None:
+            _compat.restore_attributes(self._callback, self._previous)
+            self._previous = None
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _undo_checkpoint(callback, filepath, folder):
+    callback.filepath = filepath
+    shutil.rmtree(folder, ignore_errors=True)

@@ -34,7 +34,14 @@ from keras_dist._validation import check_int, check_real
 
 PROG = "keras-dist"
 TASK_ENV_VAR = "KERAS_DIST_TASK"
+# The attempt number (0 for the first start) in every task's environment.
+RESTART_ENV_VAR = "KERAS_DIST_RESTART"
 DEFAULT_GRACE_PERIOD = 5.0
+# Seconds a collective may wait for a peer, for tasks the launcher starts
+# (`auto_strategy` reads it from KERAS_DIST_COLLECTIVE_TIMEOUT): generous,
+# since one worker may validate or write a backup while the others wait.
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+COLLECTIVE_TIMEOUT_ENV_VAR = "KERAS_DIST_COLLECTIVE_TIMEOUT"
 # Internal subcommand that runs a parameter-server task; hidden from `--help`.
 PS_SERVER_COMMAND = "_ps-server"
 
@@ -96,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 chief=args.chief,
                 host=args.host,
                 grace_period=args.grace_period,
+                max_restarts=args.max_restarts,
+                collective_timeout=args.collective_timeout,
             )
         if trailing is not None:
             args.subparser.error(
@@ -118,6 +127,8 @@ def launch(
     chief: bool = False,
     host: str = "localhost",
     grace_period: float = DEFAULT_GRACE_PERIOD,
+    max_restarts: int = 0,
+    collective_timeout: float | None = None,
     environ: Mapping[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
@@ -141,6 +152,16 @@ def launch(
     training tasks still run is a failure too. Every task runs in its own
     process group, so whatever it starts is stopped with it.
 
+    With `max_restarts > 0`, a failed job is started again, whole (a
+    `MultiWorkerMirroredStrategy`'s collectives cannot take a new process
+    into a running group), on fresh ports, up to `max_restarts` times; each
+    restart is announced with the task that failed, how, and the attempt
+    number, and every task finds the attempt number (0 first) in
+    `KERAS_DIST_RESTART`. With `keras_dist.callbacks.BackupAndRestore` in
+    the script, a restarted job goes on from its last backup. A task that
+    was preempted (`SIGTERM`, after writing its backup) exits with status
+    75, and is restarted like any other failure.
+
     Args:
         command: Sequence of strings. The program and its arguments, e.g.
             `["python", "train.py"]`.
@@ -152,6 +173,14 @@ def launch(
             to `"localhost"`.
         grace_period: Float. Seconds between SIGTERM and SIGKILL when tasks
             are stopped. Defaults to `5.0`.
+        max_restarts: Int >= 0. How many times a failed job is started
+            again. Not supported with parameter servers yet. Defaults to `0`.
+        collective_timeout: Float or `None`. Seconds a collective may wait
+            for a peer before it fails, given to the tasks as
+            `KERAS_DIST_COLLECTIVE_TIMEOUT` (read by
+            `keras_dist.auto_strategy`). `None` keeps the variable when the
+            environment has it, else uses `DEFAULT_COLLECTIVE_TIMEOUT` (300
+            s). Defaults to `None`.
         environ: Mapping or `None`. Base environment for the tasks; `None`
             uses `os.environ`. Defaults to `None`.
         stdout: Text stream or `None`. Where the prefixed task output goes;
@@ -187,8 +216,85 @@ def launch(
     grace_period = check_real(
         "grace_period", grace_period, minimum=0, hint="It is in seconds."
     )
+    max_restarts = check_int("max_restarts", max_restarts, minimum=0)
+    collective_timeout = check_real(
+        "collective_timeout",
+        collective_timeout,
+        minimum=0,
+        low_open=True,
+        allow_none=True,
+        hint="It is in seconds.",
+    )
+    if max_restarts and ps:
+        raise ValueError(
+            "`max_restarts` is not supported with parameter servers yet (the "
+            "coordinator would have to keep running while one worker is "
+            f"replaced). Received: max_restarts={max_restarts}, ps={ps}. "
+            "Restart the job from outside, or use workers only."
+        )
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
+    base_env = dict(os.environ if environ is None else environ)
+    if collective_timeout is not None:
+        base_env[COLLECTIVE_TIMEOUT_ENV_VAR] = f"{collective_timeout:g}"
+    else:
+        base_env.setdefault(
+            COLLECTIVE_TIMEOUT_ENV_VAR, f"{DEFAULT_COLLECTIVE_TIMEOUT:g}"
+        )
+    attempt = 0
+    while True:
+        failure: list = []
+        status = _launch_once(
+            command,
+            workers,
+            ps,
+            chief,
+            host,
+            grace_period,
+            base_env,
+            attempt,
+            out,
+            err,
+            failure,
+        )
+        # Only a task's failure is worth a restart: not a launcher that was
+        # interrupted or stopped, nor a command that could not start.
+        if status == 0 or not failure or attempt >= max_restarts:
+            if failure and max_restarts and attempt >= max_restarts:
+                _say(
+                    err,
+                    f"giving up after {attempt + 1} attempts (max restarts "
+                    f"{max_restarts}); exit status {status}.",
+                )
+            return status
+        attempt += 1
+        name, code = failure[0] if failure else ("a task", status)
+        how = (
+            "was preempted (status 75, after writing its backup)"
+            if code == _process.EXIT_PREEMPTED
+            else f"failed with {_process.describe_exit(code)}"
+        )
+        _say(
+            err,
+            f"restart {attempt} of {max_restarts}: {name} {how}; starting the "
+            f"whole job again ({RESTART_ENV_VAR}={attempt}).",
+        )
+
+
+def _launch_once(
+    command,
+    workers,
+    ps,
+    chief,
+    host,
+    grace_period,
+    base_env,
+    attempt,
+    out,
+    err,
+    failure,
+) -> int:
+    """Starts every task of one attempt and supervises them to the end."""
     try:
         spec = cluster_lib.local_cluster(workers=workers, ps=ps, chief=chief, host=host)
     except OSError as error:
@@ -196,7 +302,6 @@ def launch(
         # that cannot start.
         _say(err, str(error))
         return _process.EXIT_NO_RESOURCES
-    base_env = dict(os.environ if environ is None else environ)
     specs = []
     # Parameter servers first: the training tasks connect to them.
     for task_type in ("ps", "chief", "worker"):
@@ -209,6 +314,7 @@ def launch(
             name = f"{task_type}:{index}"
             env["TF_CONFIG"] = cluster_lib.make_tf_config(spec, task_type, index)
             env[TASK_ENV_VAR] = name
+            env[RESTART_ENV_VAR] = str(attempt)
             env["PYTHONUNBUFFERED"] = "1"
             specs.append(
                 _process.TaskSpec(name, task_command, env, serves=task_type == "ps")
@@ -221,6 +327,7 @@ def launch(
         lambda message: _say(err, message),
         grace_period,
         coordinator="chief:0" if ps and chief else None,
+        failure=failure,
     )
 
 
@@ -262,7 +369,8 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
         usage=(
             f"{PROG} launch --workers N [--ps M] [--chief] [--host HOST] "
-            "[--grace-period SECONDS] -- COMMAND [ARG ...]"
+            "[--grace-period SECONDS] [--max-restarts N] "
+            "[--collective-timeout SECONDS] -- COMMAND [ARG ...]"
         ),
     )
     launch_parser.add_argument(
@@ -300,6 +408,27 @@ def _build_parser() -> argparse.ArgumentParser:
         help=(
             "seconds between SIGTERM and SIGKILL when stopping tasks "
             f"(default: {DEFAULT_GRACE_PERIOD:g})"
+        ),
+    )
+    launch_parser.add_argument(
+        "--max-restarts",
+        type=_int_at_least(0),
+        default=0,
+        metavar="N",
+        help=(
+            "start the whole job again when a task fails, up to N times; "
+            "tasks find the attempt number in KERAS_DIST_RESTART (default: 0)"
+        ),
+    )
+    launch_parser.add_argument(
+        "--collective-timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help=(
+            "seconds a collective may wait for a peer before it fails, given "
+            "to the tasks as KERAS_DIST_COLLECTIVE_TIMEOUT (default: the "
+            f"variable if set, else {DEFAULT_COLLECTIVE_TIMEOUT:g})"
         ),
     )
     launch_parser.add_argument(

@@ -363,6 +363,29 @@ def wait_for_cluster(
             listener.close()
 
 
+def unreachable_tasks(
+    cluster: dict,
+    task_type: str | None = None,
+    task_index: int | None = None,
+    timeout: float = 2.0,
+) -> list[tuple[str, str, str]]:
+    """Returns the tasks of `cluster` that do not answer on their address.
+
+    Each as `(name, address, why)`, e.g. `("worker:1", "localhost:2222",
+    "Connection refused")`; this task (`task_type`, `task_index`) is skipped.
+    Used to name the peer a failed collective lost.
+    """
+    missing = []
+    for kind, addresses in cluster.items():
+        for index, address in enumerate(addresses):
+            if (kind, index) == (task_type, task_index):
+                continue
+            why = _connect(address, timeout)
+            if why is not None:
+                missing.append((f"{kind}:{index}", address, why))
+    return missing
+
+
 def _startup_hint(task_type, task_index) -> str:
     if task_type is None:
         return ""

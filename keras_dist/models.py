@@ -317,15 +317,29 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
     # --- Distributed train / test functions ---------------------------------
 
     def fit(self, *args, **kwargs):
+        from keras_dist import callbacks as callbacks_lib
+
         self._check_strategy()
         # With an AutoScaleBatch callback, numpy arrays and unbatched datasets
         # are batched at its per_replica_batch_size x num_replicas_in_sync.
         args, kwargs = _fit_data.prepare_fit_arguments(self, args, kwargs)
+        values = _compat.bind_fit_arguments(self, args, kwargs)
+        # BackupAndRestore first; Keras's file-writing callbacks write the
+        # shared path on the chief only.
+        values["callbacks"], finish = callbacks_lib.fit_callbacks(
+            self, values.get("callbacks")
+        )
         self._keras_dist_fitting = True
         try:
-            return super().fit(*args, **kwargs)
+            return super().fit(**values)
+        except _COLLECTIVE_ERRORS as error:
+            lost = _describe_lost_peer(self.distribute_strategy, error)
+            if lost is None:
+                raise
+            raise RuntimeError(lost) from error
         finally:
             self._keras_dist_fitting = False
+            finish()
 
     def evaluate(self, *args, **kwargs):
         self._check_strategy()
@@ -801,6 +815,51 @@ class WrappedModel(DistributedModel):
             config.get("all_reduce_hook"), custom_objects=custom_objects
         )
         return cls(**config)
+
+
+# What a collective raises when a peer is gone: its connection reset
+# (Unavailable), the coordination service's heartbeat missed (Unavailable or
+# Aborted), or `collective_timeout` passed (DeadlineExceeded).
+_COLLECTIVE_ERRORS = (
+    tf.errors.DeadlineExceededError,
+    tf.errors.UnavailableError,
+    tf.errors.AbortedError,
+)
+
+
+def _describe_lost_peer(strategy, error) -> str | None:
+    """Names the peer a failed collective lost, or `None` when not multi-worker."""
+    from keras_dist import cluster as cluster_lib
+
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if not _compat.is_multi_worker(strategy) or resolver is None:
+        return None
+    cluster = resolver.cluster_spec().as_dict()
+    missing = cluster_lib.unreachable_tasks(
+        cluster, resolver.task_type, resolver.task_id
+    )
+    first_line = next(
+        (line for line in str(error.message).splitlines() if line.strip()), ""
+    )
+    if missing:
+        names = ", ".join(
+            f"{name} ({address}: {why})" for name, address, why in missing
+        )
+        cause = f"lost {names}: it no longer answers"
+    elif isinstance(error, tf.errors.DeadlineExceededError):
+        cause = (
+            "a collective timed out (`collective_timeout`), and every task "
+            "still answers: one of them stopped taking part (hung, or busy "
+            "for longer than the timeout)"
+        )
+    else:
+        cause = "a collective failed, and every task still answers"
+    return (
+        f"Training stopped on {resolver.task_type}:{resolver.task_id}: {cause}. "
+        f"TensorFlow said: {type(error).__name__}: {first_line} Restart the "
+        "job (`keras-dist launch --max-restarts N` does it) with "
+        "`keras_dist.callbacks.BackupAndRestore` to resume from the last backup."
+    )
 
 
 def _functional_class(cls):

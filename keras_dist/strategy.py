@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 TPU_ENV_VARS = ("KERAS_DIST_TPU", "TPU_NAME", "COLAB_TPU_ADDR")
 STARTUP_TIMEOUT_ENV_VAR = "KERAS_DIST_STARTUP_TIMEOUT"
+# Read by `auto_strategy` when `collective_timeout` is `None`; set by
+# `keras-dist launch`.
+COLLECTIVE_TIMEOUT_ENV_VAR = "KERAS_DIST_COLLECTIVE_TIMEOUT"
 # Seconds a multi-process strategy waits for the other tasks to start.
 DEFAULT_STARTUP_TIMEOUT = 300.0
 # Logical CPU devices `cpu_replicas` may ask for. Every one costs TensorFlow
@@ -191,6 +194,7 @@ def auto_strategy(
     cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
     communication_options: tf.distribute.experimental.CommunicationOptions
     | None = None,
+    collective_timeout: float | None = None,
 ) -> tf.distribute.Strategy:
     """Builds the `tf.distribute` strategy that fits this environment.
 
@@ -246,6 +250,18 @@ def auto_strategy(
             `MultiWorkerMirroredStrategy`; single-process strategies do not
             use it (logged at INFO). `None` keeps TensorFlow's defaults
             (`AUTO`). Defaults to `None`.
+        collective_timeout: Float or `None`. Seconds a collective of a
+            `MultiWorkerMirroredStrategy` may wait for the other workers
+            before it fails (`CommunicationOptions.timeout_seconds`): a
+            worker whose peer hangs, or died without its connections being
+            closed, then fails instead of waiting forever. `None` reads the
+            `KERAS_DIST_COLLECTIVE_TIMEOUT` environment variable (`keras-dist
+            launch` sets it, 300 s unless told otherwise), and without it
+            keeps TensorFlow's default: no limit. A peer whose process died
+            is noticed sooner, by TensorFlow's coordination service (its
+            heartbeats, about 10 s). Make it longer than the longest time one
+            worker may spend outside collectives while the others wait (a
+            validation pass, a backup, the first trace). Defaults to `None`.
 
     Returns:
         A `tf.distribute.Strategy`.
@@ -254,7 +270,9 @@ def auto_strategy(
         ValueError: as `describe_choice` (malformed `TF_CONFIG`, bad
             `cpu_replicas`, ...), before TensorFlow sees the environment.
         ValueError: `startup_timeout` or `KERAS_DIST_STARTUP_TIMEOUT` is
-            not a finite number > 0.
+            not a finite number > 0; the same for `collective_timeout` or
+            `KERAS_DIST_COLLECTIVE_TIMEOUT`, or both `collective_timeout` and
+            `communication_options.timeout_seconds` are set.
         ValueError: `cross_device_ops` is `NcclAllReduce` together with
             `cpu_replicas` (NCCL sums only between GPUs).
         TypeError: `cpu_replicas` is not an int, `startup_timeout` not a
@@ -293,6 +311,9 @@ def auto_strategy(
     choice = describe_choice(cpu_replicas=cpu_replicas)
     logger.info("auto_strategy chose %s: %s.", choice.name, choice.reason)
     _log_unused_options(choice, cross_device_ops, communication_options)
+    communication_options = _with_collective_timeout(
+        communication_options, collective_timeout
+    )
     if cpu_replicas is not None:
         return _cpu_mirrored(cpu_replicas, cross_device_ops)
     if choice.name == "TPUStrategy":
@@ -372,6 +393,55 @@ def _log_unused_options(choice, cross_device_ops, communication_options):
             "for MultiWorkerMirroredStrategy).",
             choice.name,
         )
+
+
+def _with_collective_timeout(communication_options, collective_timeout):
+    """Folds `collective_timeout` (or its variable) into the options."""
+    explicit = collective_timeout is not None
+    collective_timeout = check_real(
+        "collective_timeout",
+        collective_timeout,
+        minimum=0,
+        low_open=True,
+        allow_none=True,
+        hint=f"It is in seconds; `None` reads {COLLECTIVE_TIMEOUT_ENV_VAR}.",
+    )
+    if collective_timeout is None:
+        collective_timeout = _seconds_from_env(COLLECTIVE_TIMEOUT_ENV_VAR, None)
+    if collective_timeout is None:
+        return communication_options
+    options = communication_options or tf.distribute.experimental.CommunicationOptions()
+    if options.timeout_seconds is not None:
+        if explicit:
+            raise ValueError(
+                "Set the collective timeout once: `collective_timeout="
+                f"{collective_timeout}` and `communication_options.timeout_seconds"
+                f"={options.timeout_seconds}` were both given. Drop one of them."
+            )
+        # The options given in code win over the environment variable.
+        return options
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=options.bytes_per_pack,
+        timeout_seconds=collective_timeout,
+        implementation=options.implementation,
+    )
+
+
+def _seconds_from_env(name: str, default):
+    """Reads a positive, finite number of seconds from the environment."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(
+            f"The environment variable {name} must be a finite number of "
+            f"seconds > 0. Received: {name}={text!r}. Fix it, or unset it."
+        )
+    return value
 
 
 def _startup_timeout(startup_timeout):
