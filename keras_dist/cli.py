@@ -573,6 +573,8 @@ def _run_env() -> int:
         print(f"{kind} devices:   {len(devices)} ({names})")
     tf_config = os.environ.get("TF_CONFIG", "").strip()
     print(f"TF_CONFIG:     {tf_config or 'not set'}")
+    engine = cluster_lib.detect_engine()
+    print(f"Engine:        {engine.name} ({engine.detail})")
     status = 0
     try:
         choice = strategy_lib.describe_choice()

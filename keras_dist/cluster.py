@@ -18,6 +18,7 @@ cluster.parse_tf_config()                        # validated dict
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import ipaddress
 import json
@@ -253,6 +254,92 @@ def num_training_tasks(config: dict | None) -> int:
         return 0
     cluster = config["cluster"]
     return len(cluster.get("chief", [])) + len(cluster.get("worker", []))
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """The engine that started this process, as `detect_engine` sees it.
+
+    Attributes:
+        name: String. `"keras-dist launch"`, `"Ray"`, `"SLURM job step"`,
+            `"SLURM allocation"` (a SLURM job outside `srun`),
+            `"Kubernetes"`, `"TF_CONFIG"` (set by something else) or
+            `"none"`.
+        detail: String. What it set, e.g. `"task SLURM_PROCID=1 of 2, job 7
+            step 0 on node-a"`.
+    """
+
+    name: str
+    detail: str
+
+
+def detect_engine(environ=None) -> Engine:
+    """Returns which cluster engine started this process, from its variables.
+
+    Only the environment is read (nothing is contacted): `KERAS_DIST_TASK`
+    (the launcher), `RAY_RAYLET_PID`/`RAY_JOB_ID` (a Ray worker; Ray Train's
+    `TensorflowTrainer` sets `TF_CONFIG` in its loop), `SLURM_STEP_NUM_TASKS`
+    (a task of an `srun` job step) or `SLURM_JOB_ID` (a SLURM job outside
+    `srun`), `KUBERNETES_SERVICE_HOST` (a pod; a Kubeflow TFJob sets
+    `TF_CONFIG`), and `TF_CONFIG` itself. The first match in that order
+    wins: Ray on Kubernetes is Ray, which is what sets `TF_CONFIG` there.
+
+    Args:
+        environ: Mapping or `None`. The environment to read; `None` reads
+            `os.environ`. Defaults to `None`.
+
+    Returns:
+        A frozen `Engine` with the engine's name and what it set.
+
+    Example:
+
+    ```python
+    from keras_dist import cluster
+
+    engine = cluster.detect_engine({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"})
+    assert engine.name == "SLURM allocation"
+    ```
+    """
+    env = os.environ if environ is None else environ
+    tf_config = "TF_CONFIG set" if env.get("TF_CONFIG", "").strip() else "no TF_CONFIG"
+    if env.get("KERAS_DIST_TASK"):
+        return Engine(
+            "keras-dist launch",
+            f"task {env['KERAS_DIST_TASK']} of a local cluster ({tf_config})",
+        )
+    if env.get("RAY_RAYLET_PID") or env.get("RAY_JOB_ID"):
+        where = (
+            "a Ray Train worker (TF_CONFIG set by TensorflowTrainer)"
+            if tf_config == "TF_CONFIG set"
+            else "a Ray worker outside a TensorflowTrainer loop (no TF_CONFIG)"
+        )
+        return Engine("Ray", where)
+    if env.get("SLURM_STEP_NUM_TASKS"):
+        return Engine(
+            "SLURM job step",
+            f"task SLURM_PROCID={env.get('SLURM_PROCID', '?')} of "
+            f"{env['SLURM_STEP_NUM_TASKS']}, job {env.get('SLURM_JOB_ID', '?')} "
+            f"step {env.get('SLURM_STEP_ID', '?')} on "
+            f"{env.get('SLURMD_NODENAME', '?')}",
+        )
+    if env.get("SLURM_JOB_ID"):
+        return Engine(
+            "SLURM allocation",
+            f"job {env['SLURM_JOB_ID']} with {env.get('SLURM_NTASKS', '?')} "
+            "task(s), outside a job step: start the script with `srun`",
+        )
+    if env.get("KUBERNETES_SERVICE_HOST"):
+        where = (
+            "a pod with TF_CONFIG (a Kubeflow TFJob or the manifest sets it)"
+            if tf_config == "TF_CONFIG set"
+            else "a pod without TF_CONFIG (one process)"
+        )
+        return Engine("Kubernetes", where)
+    if tf_config == "TF_CONFIG set":
+        return Engine(
+            "TF_CONFIG", "set by hand or by an engine keras_dist does not know"
+        )
+    return Engine("none", "no cluster engine: one process")
 
 
 def wait_for_cluster(

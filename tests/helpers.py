@@ -210,3 +210,26 @@ def wait_gone(pid, timeout=10.0):
             os.kill(pid, signal.SIGKILL)
             raise AssertionError(f"process {pid} is still running")
         time.sleep(0.05)
+
+
+def train_example(out, *args, env=None, timeout=300):
+    """Runs `examples/train.py --out=out *args` on one device (no cluster)."""
+    child_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    child_env.update(TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO_ROOT))
+    child_env.update(env or {})
+    script = REPO_ROOT / "examples" / "train.py"
+    result = subprocess.run(
+        [sys.executable, str(script), f"--out={out}", *args],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return example_weights(pathlib.Path(out) / "weights-single.npz")
+
+
+def example_weights(path):
+    """The weights `examples/train.py --out` wrote to `path`, as a list."""
+    with np.load(path) as archive:
+        return [archive[f"arr_{index}"] for index in range(len(archive.files))]

@@ -1,0 +1,169 @@
+"""Ray Train runs the README's script: `examples/ray_train.py` for real.
+
+One local Ray cluster (2 CPUs, no dashboard) serves the module; each test
+runs the example as its own driver process connected to it through
+`RAY_ADDRESS`, as a user would on a running cluster. The Ray workers get
+`TF_CONFIG` from Ray's `TensorflowTrainer`, `auto_strategy()` builds a
+`MultiWorkerMirroredStrategy`, and the result is compared with the same
+script on one device (`examples/train.py` without a cluster).
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from helpers import REPO_ROOT, example_weights, train_example
+
+ray = pytest.importorskip("ray", reason="the ray extra (ray[train]) is not installed")
+
+pytestmark = [pytest.mark.ray, pytest.mark.multiworker, pytest.mark.slow]
+
+EXAMPLES = os.path.join(REPO_ROOT, "examples")
+
+
+@pytest.fixture(scope="module")
+def ray_address(tmp_path_factory):
+    """A local Ray cluster for the module; its GCS address."""
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    )
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """`examples/train.py` on one device: its weights by (hook, epochs)."""
+    cache = {}
+
+    def run(hook, epochs):
+        if (hook, epochs) not in cache:
+            out = tmp_path_factory.mktemp(f"one-device-{hook}-{epochs}")
+            cache[hook, epochs] = train_example(
+                out, f"--epochs={epochs}", f"--hook={hook}"
+            )
+        return cache[hook, epochs]
+
+    return run
+
+
+def test_two_ray_workers_equal_one_device(ray_address, one_device, tmp_path):
+    result = _run_example(
+        ray_address, tmp_path, "--epochs=2", "--hook=none", "--max-failures=0"
+    )
+    assert result.returncode == 0, result.output[-6000:]
+    first = example_weights(tmp_path / "weights-worker-0.npz")
+    second = example_weights(tmp_path / "weights-worker-1.npz")
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    for got, want in zip(first, one_device("none", 2)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    # ray.train.report carried every epoch's logs to the driver.
+    reports = json.loads((tmp_path / "reports.json").read_text())
+    assert [row["epoch"] for row in reports] == [1, 2]
+    history = json.loads((tmp_path / "history-worker-0.json").read_text())
+    np.testing.assert_allclose(
+        [row["loss"] for row in reports], history["loss"], rtol=1e-6
+    )
+    assert "accuracy" in reports[-1]
+    assert "auto_strategy chose MultiWorkerMirroredStrategy" in result.output
+
+
+def test_ray_restarts_a_killed_worker(ray_address, one_device, tmp_path):
+    """FailureConfig(max_failures=1): a worker SIGKILLed in epoch 2 of 4.
+
+    Ray restarts the whole worker group, which trains from the first epoch
+    again (the example resumes from no checkpoint): the epochs before the
+    kill are lost time, not lost correctness.
+    """
+    killed = []
+
+    def kill_in_epoch_two(line):
+        match = re.search(r"RayTrainWorker pid=(\d+)\).*Epoch 2/4", line)
+        if match and not killed:
+            killed.append(int(match.group(1)))
+            os.kill(killed[0], signal.SIGKILL)
+
+    result = _run_example(
+        ray_address,
+        tmp_path,
+        "--epochs=4",
+        "--hook=fp16",
+        "--max-failures=1",
+        on_line=kill_in_epoch_two,
+    )
+    assert killed, result.output[-6000:]
+    assert result.returncode == 0, result.output[-6000:]
+    reports = json.loads((tmp_path / "reports.json").read_text())
+    epochs = [int(row["epoch"]) for row in reports]
+    # The restarted group reported epochs 1..4 again after the first run's 1.
+    assert epochs[-4:] == [1, 2, 3, 4] and len(epochs) > 4, epochs
+    assert all(row["compression_ratio"] == 2.0 for row in reports)
+    first = example_weights(tmp_path / "weights-worker-0.npz")
+    second = example_weights(tmp_path / "weights-worker-1.npz")
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    # FP16 rounds each worker's half of the gradient; one device does not.
+    for got, want in zip(first, one_device("none", 4)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)
+
+
+class _Result:
+    def __init__(self, returncode, output):
+        self.returncode = returncode
+        self.output = output
+
+
+def _run_example(ray_address, out, *args, on_line=None, timeout=420):
+    """Runs examples/ray_train.py as a driver of the module's Ray cluster."""
+    command = [
+        sys.executable,
+        os.path.join(EXAMPLES, "ray_train.py"),
+        "--workers=2",
+        f"--out={out}",
+        f"--storage={out / 'ray_results'}",
+        *args,
+    ]
+    env = _env(RAY_ADDRESS=ray_address, RAY_DEDUP_LOGS="0")
+    process = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines = []
+
+    def read():
+        for line in process.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    reader.join(timeout=10)
+    return _Result(process.returncode, "".join(lines))
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env.update(TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO_ROOT), **extra)
+    return env
