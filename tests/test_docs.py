@@ -100,6 +100,14 @@ def site(tmp_path_factory):
 def test_site_builds_strictly_with_every_page(site):
     for page in (
         "index.html",
+        "why/index.html",
+        "faq/index.html",
+        "tasks/which_strategy/index.html",
+        "tasks/one_machine/index.html",
+        "tasks/several_machines/index.html",
+        "tasks/big_batch/index.html",
+        "tasks/slow_network/index.html",
+        "tasks/custom_loop/index.html",
         "quickstart/index.html",
         "concepts/index.html",
         "examples/index.html",
@@ -120,6 +128,24 @@ def test_api_reference_is_rendered_from_the_docstrings(site, page):
         assert f'id="{path}"' in html, f"{path} is not rendered on {page}"
     name = API_PAGES[page][0].rsplit(".", 1)[-1]
     assert name in html
+
+
+def test_the_home_page_is_the_readme(site):
+    # docs/index.md includes the README's sections: one source, no drift.
+    html = (site / "index.html").read_text(encoding="utf-8")
+    assert "tested on CPUs only" in html
+    assert 'id="compatibility"' in html
+    assert "--8&lt;--" not in html and "--8<--" not in html
+
+
+def test_the_reference_hides_internals(site):
+    optimizers = (site / "api/optimizers/index.html").read_text(encoding="utf-8")
+    models = (site / "api/models/index.html").read_text(encoding="utf-8")
+    assert "accumulate_and_apply" not in optimizers
+    assert 'id="keras_dist.optimizers.GradientAccumulationOptimizer.apply"' not in (
+        optimizers
+    )
+    assert "MultiWorkerBuildFix" not in models
 
 
 def test_key_names_appear_in_the_reference(site):
