@@ -10,6 +10,7 @@ of a SLURM job step and as the replicas of a Kubernetes TFJob:
     keras-dist launch --workers 2 -- python examples/train.py   # 2 processes
     srun --ntasks=2 python examples/train.py                    # SLURM
     python examples/train.py --out weights/  # + weights-<task>.npz per task
+    python examples/train.py --backup-dir /shared/backups   # resumable
 
 With `--out`, every task writes its final weights and its history to
 `<out>/weights-<task>.npz` and `<out>/history-<task>.json` (`<task>` is
@@ -92,8 +93,20 @@ def main(argv=None):
     parser.add_argument(
         "--out", help="folder for weights-<task>.npz and history-<task>.json"
     )
+    parser.add_argument(
+        "--backup-dir",
+        help="BackupAndRestore's folder (shared by every task): a restarted "
+        "job resumes where the last backup was written",
+    )
     args = parser.parse_args(argv)
-    model, strategy, history = train(args.epochs, seed=args.seed, hook=args.hook)
+    callbacks = []
+    if args.backup_dir:
+        import keras_dist
+
+        callbacks.append(keras_dist.callbacks.BackupAndRestore(args.backup_dir))
+    model, strategy, history = train(
+        args.epochs, callbacks=callbacks, seed=args.seed, hook=args.hook
+    )
     if args.out:
         name = save(args.out, model, strategy, history)
         print(f"{name}: weights written to {args.out}")
