@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 from pytest_markdown_docs import _runners
 from pytest_markdown_docs.plugin import MarkdownTextFile
 
@@ -113,3 +114,16 @@ def pytest_collect_file(file_path, parent):
     if _is_documentation(file_path):
         return MarkdownTextFile.from_parent(parent, path=pathlib.Path(file_path))
     return None
+
+
+def pytest_collection_modifyitems(config, items):
+    # A block that starts worker processes is a multi-worker test like any
+    # other: `-m "not multiworker"` skips it too.
+    for item in items:
+        code = getattr(item, "code", None)
+        if (
+            isinstance(item.parent, MarkdownTextFile)
+            and code
+            and "run_workers(" in code
+        ):
+            item.add_marker(pytest.mark.multiworker)
