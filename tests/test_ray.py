@@ -81,16 +81,16 @@ def test_two_ray_workers_equal_one_device(ray_address, one_device, tmp_path):
 
 
 def test_ray_restarts_a_killed_worker(ray_address, one_device, tmp_path):
-    """FailureConfig(max_failures=1): a worker SIGKILLed in epoch 2 of 4.
+    """FailureConfig(max_failures=1): a worker SIGKILLed in epoch 2 of 3.
 
-    Ray restarts the whole worker group, which trains from the first epoch
+    Ray replaces the whole worker group, which trains from the first epoch
     again (the example resumes from no checkpoint): the epochs before the
     kill are lost time, not lost correctness.
     """
     killed = []
 
     def kill_in_epoch_two(line):
-        match = re.search(r"RayTrainWorker pid=(\d+)\).*Epoch 2/4", line)
+        match = re.search(r"RayTrainWorker pid=(\d+)[,)].*Epoch 2/3", line)
         if match and not killed:
             killed.append(int(match.group(1)))
             os.kill(killed[0], signal.SIGKILL)
@@ -98,25 +98,26 @@ def test_ray_restarts_a_killed_worker(ray_address, one_device, tmp_path):
     result = _run_example(
         ray_address,
         tmp_path,
-        "--epochs=4",
+        "--epochs=3",
         "--hook=fp16",
         "--max-failures=1",
         on_line=kill_in_epoch_two,
     )
     assert killed, result.output[-6000:]
     assert result.returncode == 0, result.output[-6000:]
+    assert "[FailurePolicy] RETRY" in result.output, result.output[-6000:]
+    assert result.output.count("Started training worker group of size 2") == 2
+    # Ray's Result keeps the reports of the group that finished: all 3 epochs.
     reports = json.loads((tmp_path / "reports.json").read_text())
-    epochs = [int(row["epoch"]) for row in reports]
-    # The restarted group reported epochs 1..4 again after the first run's 1.
-    assert epochs[-4:] == [1, 2, 3, 4] and len(epochs) > 4, epochs
+    assert [int(row["epoch"]) for row in reports] == [1, 2, 3]
     assert all(row["compression_ratio"] == 2.0 for row in reports)
     first = example_weights(tmp_path / "weights-worker-0.npz")
     second = example_weights(tmp_path / "weights-worker-1.npz")
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
     # FP16 rounds each worker's half of the gradient; one device does not.
-    for got, want in zip(first, one_device("none", 4)):
-        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)
+    for got, want in zip(first, one_device("none", 3)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-3)
 
 
 class _Result:
