@@ -838,8 +838,11 @@ def _describe_lost_peer(strategy, error) -> str | None:
     missing = cluster_lib.unreachable_tasks(
         cluster, resolver.task_type, resolver.task_id
     )
+    lines = [line.strip() for line in str(error.message).splitlines()]
+    telling = ("timed out", "unhealthy", "peer", "connection", "socket", "abort")
     first_line = next(
-        (line for line in str(error.message).splitlines() if line.strip()), ""
+        (line for line in lines if any(word in line.lower() for word in telling)),
+        next((line for line in lines if line), ""),
     )
     if missing:
         names = ", ".join(

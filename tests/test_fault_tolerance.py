@@ -1,0 +1,542 @@
+"""Nothing lost when a worker dies: BackupAndRestore, launcher restarts,
+bounded waits and preemption, with real processes and real signals.
+
+The multi-worker tests run `tests/fault_worker.py` under `keras-dist launch`
+with two workers: one launch trains the uninterrupted references (FP16,
+PowerSGD, adaptive AutoScaleBatch) and the others hurt a worker (SIGKILL
+between two backups in the middle of an accumulation cycle, SIGKILL inside
+a backup, SIGTERM, a hung peer); the chief's final weights must equal the
+reference's exactly (the same arithmetic in the same order: 0.0, asserted
+to <= 1e-6). The single-process tests (2 logical replicas) cover the input
+pipelines, steps_per_execution, a plain keras.Model and the bad-backup
+errors.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import REPO_ROOT
+
+import keras_dist
+from keras_dist import _backup, cli
+from keras_dist.callbacks import BackupAndRestore
+from keras_dist.compression import FP16, PowerSGD
+
+WORKER = os.path.join(REPO_ROOT, "tests", "fault_worker.py")
+LAUNCH_TIMEOUT = 600
+
+
+def launch(tmp, *args, max_restarts=0, collective_timeout=None, timeout=None):
+    """Runs fault_worker.py on 2 workers; returns (status, output, seconds)."""
+    command = [
+        sys.executable,
+        "-m",
+        "keras_dist",
+        "launch",
+        "--workers",
+        "2",
+        "--max-restarts",
+        str(max_restarts),
+    ]
+    if collective_timeout is not None:
+        command += ["--collective-timeout", str(collective_timeout)]
+    command += ["--", sys.executable, WORKER, str(tmp / "out"), str(tmp / "b"), *args]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": REPO_ROOT}
+    start = time.monotonic()
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=timeout or LAUNCH_TIMEOUT,
+    )
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+
+
+def weights(folder):
+    with np.load(os.path.join(folder, "weights.npz")) as archive:
+        return [archive[name] for name in archive.files]
+
+
+def summary(folder):
+    with open(os.path.join(folder, "summary.json")) as handle:
+        return json.load(handle)
+
+
+def assert_same_run(got, reference):
+    for a, b in zip(weights(got), weights(reference), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    assert summary(got) == summary(reference)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """The uninterrupted 2-worker runs, one launch for all three."""
+    tmp = tmp_path_factory.mktemp("references")
+    status, output, _ = launch(
+        tmp, "--config", "fp16", "--config", "powersgd", "--config", "autoscale"
+    )
+    assert status == 0, output[-3000:]
+    # Training ended normally: the backups were deleted.
+    assert not os.path.exists(tmp / "b" / "fp16")
+    return tmp / "out"
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_kill_inside_a_save_then_sigterm_resume_exactly(tmp_path, references):
+    # Attempt 0: the chief is SIGKILLed inside its 2nd backup (state file
+    # written, not switched to): attempt 1 resumes from the 1st. Attempt 1:
+    # worker 1 gets SIGTERM after its 6th batch (4 of them replayed): both
+    # write a backup after the next one and exit 75; attempt 2 resumes
+    # there. FP16 + accumulation 2.
+    status, output, _ = launch(
+        tmp_path,
+        "--config",
+        "fp16",
+        "--hurt",
+        "0:save:2",
+        "--hurt",
+        "1:term:6",
+        max_restarts=2,
+    )
+    assert status == 0, output[-3000:]
+    assert "killed inside the save" in output
+    assert "restart 1 of 2: worker:0 failed with exit code 137" in output
+    assert "fp16/backup-00000001 at epoch 0, after 4 batches" in output
+    assert "preempted (SIGTERM); backup written at epoch 0, batch 6" in output
+    assert "restart 2 of 2: worker:1 was preempted (status 75" in output
+    assert "at epoch 0, after 7 batches of it" in output
+    assert_same_run(tmp_path / "out" / "fp16", references / "fp16")
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_sigkill_mid_accumulation_powersgd_resumes_exactly(tmp_path, references):
+    # Backups every 4 batches; the kill after batch 7 is between two of them
+    # and in the middle of an accumulation cycle (7 is odd).
+    status, output, _ = launch(
+        tmp_path, "--config", "powersgd", "--hurt", "0:kill:7", max_restarts=1
+    )
+    assert status == 0, output[-3000:]
+    assert "restart 1 of 1: worker:1 failed with exit code 137" in output
+    assert "KERAS_DIST_RESTART=1" in output
+    assert "powersgd/backup-00000001 at epoch 0, after 4 batches" in output
+    assert_same_run(tmp_path / "out" / "powersgd", references / "powersgd")
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_sigkill_after_autoscale_grew_the_batch_resumes_exactly(tmp_path, references):
+    grown = summary(references / "autoscale")
+    # The adaptive batch grew during the reference run (2 -> more).
+    assert grown["accumulation_steps"] > 2
+    assert max(grown["history"]["batch_size"][:2]) > 16 * 2
+    status, output, _ = launch(
+        tmp_path, "--config", "autoscale", "--hurt", "0:kill:31", max_restarts=1
+    )
+    assert status == 0, output[-3000:]
+    assert "restart 1 of 1: worker:1 failed" in output
+    assert "autoscale/backup-" in output
+    assert_same_run(tmp_path / "out" / "autoscale", references / "autoscale")
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_hung_peer_fails_the_survivor_within_the_collective_timeout(tmp_path):
+    # Worker 1 stays alive but stops taking part (it sleeps after 3
+    # batches); worker 0 waits in its next all-reduce until the timeout.
+    timeout = 15
+    status, output, seconds = launch(
+        tmp_path, "--hurt", "0:hang:3", collective_timeout=timeout
+    )
+    assert status != 0
+    assert "Training stopped on worker:0: a collective timed out" in output
+    assert "Collective has timed out" in output
+    assert "task worker:0 failed with exit code 1" in output
+    # Start-up (~20-40 s here) + 3 batches + the timeout, with a generous
+    # margin for a loaded 2-core machine; without the timeout: 600 s.
+    assert seconds < timeout + 150, seconds
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_stock_backup_and_checkpoint_write_on_the_chief_only(tmp_path):
+    status, output, _ = launch(tmp_path, "--stock")
+    assert status == 0, output[-3000:]
+    assert "BlockingIOError" not in output
+    assert sorted(os.listdir(tmp_path / "b")) == [
+        "latest.weights.h5",
+        "training_metadata.json",
+    ]
+    assert os.listdir(tmp_path / "out") == ["model.weights.h5"]
+    # The non-chief's temporary folders are gone.
+    assert output.count("stock done") == 2
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_peer_killed_during_all_reduce_is_named(tmp_path):
+    # Without the launcher (which would stop the survivor at once): worker 1
+    # SIGKILLs itself after 3 batches; worker 0 fails at its next
+    # collective with an error that names worker 1.
+    from keras_dist import cluster
+
+    spec = cluster.local_cluster(workers=2)
+    processes = []
+    for index in range(2):
+        env = {
+            **os.environ,
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "PYTHONPATH": REPO_ROOT,
+            "TF_CONFIG": cluster.make_tf_config(spec, "worker", index),
+            "KERAS_DIST_TASK": f"worker:{index}",
+            "KERAS_DIST_COLLECTIVE_TIMEOUT": "60",
+        }
+        processes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    WORKER,
+                    str(tmp_path / "o"),
+                    str(tmp_path / "b"),
+                    "--hurt",
+                    "0:kill:3",
+                ],
+                env=env,
+                cwd=REPO_ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    start = time.monotonic()
+    try:
+        output0, _ = processes[0].communicate(timeout=LAUNCH_TIMEOUT)
+        processes[1].communicate(timeout=60)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    assert processes[1].returncode == -signal.SIGKILL
+    assert processes[0].returncode == 1, output0[-3000:]
+    assert "RuntimeError: Training stopped on worker:0: lost worker:1" in output0
+    assert time.monotonic() - start < 60 + 150
+
+
+# --- The launcher ------------------------------------------------------------
+
+
+FLAKY = """
+import os, sys
+attempt = int(os.environ["KERAS_DIST_RESTART"])
+print("attempt", attempt, os.environ["KERAS_DIST_TASK"],
+      os.environ["KERAS_DIST_COLLECTIVE_TIMEOUT"])
+sys.exit(0 if attempt >= int(sys.argv[1]) else 3)
+"""
+
+
+def run_launch(capsys, *args):
+    status = cli.main(["launch", "--workers", "2", *args])
+    captured = capsys.readouterr()
+    return status, captured.out + captured.err
+
+
+def test_launch_restarts_the_whole_job_until_it_succeeds(capsys):
+    status, output = run_launch(
+        capsys, "--max-restarts", "2", "--", sys.executable, "-c", FLAKY, "2"
+    )
+    assert status == 0
+    for attempt in range(3):
+        assert f"attempt {attempt} worker:0 300" in output
+    assert "restart 1 of 2: worker:" in output
+    assert "failed with exit code 3" in output
+    assert "(KERAS_DIST_RESTART=2)" in output
+
+
+def test_launch_gives_up_with_the_last_status(capsys):
+    status, output = run_launch(
+        capsys,
+        "--max-restarts",
+        "1",
+        "--collective-timeout",
+        "7",
+        "--",
+        sys.executable,
+        "-c",
+        FLAKY,
+        "5",
+    )
+    assert status == 3
+    assert "attempt 1 worker:1 7" in output
+    assert "giving up after 2 attempts (max restarts 1); exit status 3" in output
+
+
+def test_launch_without_restarts_keeps_todays_behaviour(capsys):
+    status, output = run_launch(capsys, "--", sys.executable, "-c", FLAKY, "1")
+    assert status == 3
+    assert "restart" not in output
+
+
+def test_launch_refuses_restarts_with_parameter_servers():
+    with pytest.raises(ValueError, match=r"max_restarts.*parameter servers"):
+        cli.launch(["true"], workers=1, ps=1, max_restarts=1)
+    with pytest.raises(ValueError, match="max_restarts"):
+        cli.launch(["true"], workers=1, max_restarts=-1)
+
+
+def test_collective_timeout_reaches_the_strategy(monkeypatch):
+    from keras_dist import strategy as strategy_lib
+
+    options = strategy_lib._with_collective_timeout(None, 12.5)
+    assert options.timeout_seconds == 12.5
+    monkeypatch.setenv("KERAS_DIST_COLLECTIVE_TIMEOUT", "30")
+    assert strategy_lib._with_collective_timeout(None, None).timeout_seconds == 30
+    given = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=64)
+    merged = strategy_lib._with_collective_timeout(given, None)
+    assert (merged.bytes_per_pack, merged.timeout_seconds) == (64, 30)
+    with pytest.raises(ValueError, match="once"):
+        strategy_lib._with_collective_timeout(
+            tf.distribute.experimental.CommunicationOptions(timeout_seconds=5), 9
+        )
+    monkeypatch.setenv("KERAS_DIST_COLLECTIVE_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="KERAS_DIST_COLLECTIVE_TIMEOUT"):
+        strategy_lib._with_collective_timeout(None, None)
+    with pytest.raises(ValueError, match="collective_timeout"):
+        keras_dist.auto_strategy(collective_timeout=0)
+
+
+# --- One process, 2 logical replicas -----------------------------------------
+
+
+class Boom(keras.callbacks.Callback):
+    """Stops fit with an exception after the N-th batch (a crash)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.seen = at, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.at:
+            raise KeyboardInterrupt("crash")
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 8)).astype("float32")
+    y = (x @ rng.normal(size=(8, 3))).astype("float32")
+    return x, y
+
+
+def make_model(strategy, hook="fp16", distributed=True, steps_per_execution=1):
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(3),
+            ]
+        )
+        optimizer = keras_dist.GradientAccumulationOptimizer(
+            keras.optimizers.Adam(0.01), accumulation_steps=2
+        )
+        if distributed:
+            hooks = {"fp16": FP16(), "powersgd": PowerSGD(rank=1, start_step=0)}
+            model = keras_dist.DistributedModel.from_model(
+                model, all_reduce_hook=hooks[hook]
+            )
+        model.compile(
+            optimizer=optimizer,
+            loss="mse",
+            metrics=["mae"],
+            steps_per_execution=steps_per_execution,
+        )
+    return model
+
+
+def fit_until(model, backup, inputs, crash_at=None, **kwargs):
+    callbacks = [BackupAndRestore(backup, save_freq=3)]
+    if crash_at:
+        callbacks.append(Boom(crash_at))
+    try:
+        history = model.fit(inputs, epochs=3, callbacks=callbacks, verbose=0, **kwargs)
+    except KeyboardInterrupt:
+        return None
+    return history.history
+
+
+PIPELINES = {
+    # Read whole every epoch: a fresh iterator each epoch.
+    "epochs": lambda x, y: (tf.data.Dataset.from_tensor_slices((x, y)).batch(16), {}),
+    # One stream over every epoch, reshuffled every epoch by `repeat`.
+    "stream": lambda x, y: (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(96, seed=3, reshuffle_each_iteration=True)
+        .batch(16)
+        .repeat(),
+        {"steps_per_epoch": 6},
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "hook", "crash_at", "steps_per_execution"),
+    [
+        ("epochs", "fp16", 11, 1),
+        ("epochs", "powersgd", 8, 1),
+        ("stream", "fp16", 11, 1),
+        ("stream", "powersgd", 5, 2),
+    ],
+)
+def test_resume_is_exact_on_replicas(
+    mirrored, tmp_path, pipeline, hook, crash_at, steps_per_execution
+):
+    strategy = mirrored(2)
+    x, y = data()
+
+    def run(folder, crash_at=None):
+        # A new dataset for each run, as a restarted process builds it: a
+        # dataset object read again reshuffles (its seed generator moved on).
+        inputs, kwargs = PIPELINES[pipeline](x, y)
+        model = make_model(strategy, hook, steps_per_execution=steps_per_execution)
+        return model, fit_until(
+            model, str(tmp_path / folder), inputs, crash_at, **kwargs
+        )
+
+    reference, expected = run("r")
+    assert run("b", crash_at)[1] is None
+    assert os.path.exists(tmp_path / "b" / _backup.CURRENT)
+    resumed, history = run("b")
+    for a, b in zip(resumed.weights, reference.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # The logs of the epochs it ran too (the resumed one included: the
+    # metrics' running sums were in the backup).
+    assert set(history) == set(expected)
+    for key, values in history.items():
+        assert values == expected[key][-len(values) :]
+    assert not os.path.exists(tmp_path / "b")
+
+
+def test_plain_keras_model_resumes_exactly(mirrored, tmp_path):
+    strategy = mirrored(2)
+    x, y = data()
+    inputs, _ = PIPELINES["epochs"](x, y)
+    reference = make_model(strategy, distributed=False)
+    fit_until(reference, str(tmp_path / "r"), inputs)
+    fit_until(make_model(strategy, distributed=False), str(tmp_path / "b"), inputs, 10)
+    resumed = make_model(strategy, distributed=False)
+    fit_until(resumed, str(tmp_path / "b"), inputs)
+    for a, b in zip(resumed.weights, reference.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def crashed_backup(strategy, tmp_path, crash_at=10):
+    x, y = data()
+    inputs, _ = PIPELINES["epochs"](x, y)
+    model = make_model(strategy)
+    fit_until(model, str(tmp_path / "b"), inputs, crash_at)
+    return inputs
+
+
+def test_backup_of_another_model_is_an_error(mirrored, tmp_path):
+    strategy = mirrored(2)
+    inputs = crashed_backup(strategy, tmp_path)
+    with strategy.scope():
+        other = keras_dist.DistributedModel.from_model(
+            keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)]),
+            all_reduce_hook=FP16(),
+        )
+        other.compile(
+            optimizer=keras_dist.GradientAccumulationOptimizer(
+                keras.optimizers.Adam(0.01), accumulation_steps=2
+            ),
+            loss="mse",
+            metrics=["mae"],
+        )
+    with pytest.raises(ValueError, match="different model"):
+        fit_until(other, str(tmp_path / "b"), inputs)
+
+
+def test_backup_of_another_replica_count_is_an_error(mirrored, tmp_path):
+    crashed_backup(mirrored(2), tmp_path)
+    x, y = data()
+    model = make_model(mirrored(1))
+    with pytest.raises(ValueError, match=r"2 replica.*1 replica"):
+        fit_until(model, str(tmp_path / "b"), PIPELINES["epochs"](x, y)[0])
+
+
+def test_corrupt_newest_backup_falls_back_to_the_previous(mirrored, tmp_path, caplog):
+    strategy = mirrored(2)
+    inputs = crashed_backup(strategy, tmp_path)
+    names = _backup.backup_names(str(tmp_path / "b"))
+    assert names == ["backup-00000003", "backup-00000002"]
+    state = tmp_path / "b" / names[0] / _backup.STATE_FILE
+    state.write_bytes(state.read_bytes()[:-10] + b"0123456789")
+    model = make_model(strategy)
+    callback = BackupAndRestore(str(tmp_path / "b"), save_freq=3)
+    with caplog.at_level("WARNING"), pytest.raises(KeyboardInterrupt):
+        model.fit(inputs, epochs=1, callbacks=[callback, Boom(1)], verbose=0)
+    assert "backup-00000003/state.npz is corrupt" in caplog.text
+    assert "resumed from" in caplog.text and "backup-00000002" in caplog.text
+
+
+def test_no_usable_backup_is_an_error_not_a_fresh_start(mirrored, tmp_path):
+    strategy = mirrored(2)
+    inputs = crashed_backup(strategy, tmp_path)
+    for name in _backup.backup_names(str(tmp_path / "b")):
+        (tmp_path / "b" / name / _backup.MANIFEST_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match=r"none is usable.*will not start over"):
+        fit_until(make_model(strategy), str(tmp_path / "b"), inputs)
+
+
+def test_a_partial_first_backup_starts_fresh(mirrored, tmp_path):
+    # Killed during the very first save: nothing was ever completed.
+    (tmp_path / "b" / ".partial-1234").mkdir(parents=True)
+    (tmp_path / "b" / ".partial-1234" / _backup.STATE_FILE).write_bytes(b"half")
+    x, y = data()
+    model = make_model(mirrored(2))
+    assert fit_until(model, str(tmp_path / "b"), PIPELINES["epochs"](x, y)[0])
+    assert int(model.optimizer.iterations.numpy()) == 9
+
+
+def test_backup_and_restore_arguments():
+    with pytest.raises(TypeError, match="backup_dir"):
+        BackupAndRestore(3)
+    with pytest.raises(ValueError, match="backup_dir"):
+        BackupAndRestore("")
+    with pytest.raises(ValueError, match="save_freq"):
+        BackupAndRestore("/tmp/x", save_freq=0)
+    with pytest.raises(TypeError, match="save_freq"):
+        BackupAndRestore("/tmp/x", save_freq="batch")
+    with pytest.raises(TypeError, match="delete_checkpoint"):
+        BackupAndRestore("/tmp/x", delete_checkpoint="yes")
+
+
+def test_backup_keeps_two_and_removes_partials(tmp_path):
+    folder = str(tmp_path)
+    os.makedirs(tmp_path / ".partial-old")
+    manifest = {"format": _backup.FORMAT, "version": _backup.FORMAT_VERSION}
+    for _ in range(4):
+        _backup.write(folder, [np.zeros(2)], {**manifest, "variables": [{}]})
+    assert sorted(os.listdir(folder)) == [
+        _backup.CURRENT,
+        "backup-00000003",
+        "backup-00000004",
+    ]
+    path, _, _ = _backup.read_latest(folder)
+    assert path.endswith("backup-00000004")
+    shutil.rmtree(tmp_path / "backup-00000004")
+    # CURRENT names a folder that is gone: the previous one is used.
+    assert _backup.read_latest(folder)[0].endswith("backup-00000003")
