@@ -1285,7 +1285,7 @@ def _replaying_train_function(model, train_function, resume, epoch_iterator, spx
 # --- Callbacks of DistributedModel.fit ---------------------------------------------
 
 
-def fit_callbacks(model, callbacks):
+def _fit_callbacks(model, callbacks):
     """Returns the callbacks `DistributedModel.fit` runs, and a cleanup function.
 
     `BackupAndRestore` goes first, so the state is back before other

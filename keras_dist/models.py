@@ -326,7 +326,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
         values = _compat.bind_fit_arguments(self, args, kwargs)
         # BackupAndRestore first; Keras's file-writing callbacks write the
         # shared path on the chief only.
-        values["callbacks"], finish = callbacks_lib.fit_callbacks(
+        values["callbacks"], finish = callbacks_lib._fit_callbacks(
             self, values.get("callbacks")
         )
         self._keras_dist_fitting = True
