@@ -121,6 +121,25 @@ def test_clipping_and_masking_take_effect(mirrored):
         np.testing.assert_allclose(u[r], np.where(u[r] == 0, 0, sent), atol=1e-6)
 
 
+def test_a_step_that_is_not_finite_leaves_the_state_unchanged(mirrored):
+    """A loss-scale overflow on one replica makes the sum non-finite on
+    every replica (the LossScaleOptimizer skips that step): both replicas
+    keep their state as it was, so nothing is lost or applied twice."""
+    hook = DGC(ratio=0.2, warmup_steps=0)
+    harness = Harness(mirrored(2), hook, [(10,)])
+    harness.reduce(random_grads([(10,)], 2, seed=50))
+    names = ("velocity_0", "accumulation_0")
+    before = {name: harness.local(hook.state(name)) for name in names}
+    grads = random_grads([(10,)], 2, seed=51)
+    grads[0][0][3] = np.inf
+    (got,) = harness.reduce(grads)
+    assert not np.all(np.isfinite(got[1]))
+    for name in names:
+        for now, then in zip(harness.local(hook.state(name)), before[name]):
+            np.testing.assert_array_equal(now, then)
+    assert hook.steps == 2
+
+
 def test_warmup_schedule_is_the_papers():
     hook = DGC(ratio=0.001, warmup_steps=400)
     assert hook.warmup_schedule == (
@@ -138,7 +157,7 @@ def test_warmup_schedule_is_the_papers():
         0.001,
         0.001,
     ]
-    assert DGC(ratio=0.5, warmup_steps=400).warmup_schedule == ((400, 0.5),)
+    assert DGC(ratio=0.5, warmup_steps=400).warmup_schedule == ((0, 0.5),)
     assert DGC(ratio=0.001, warmup_steps=0).warmup_schedule == ((0, 0.001),)
     # Fewer steps than stages: stages of no length are dropped.
     assert DGC(ratio=0.001, warmup_steps=2).warmup_schedule == (
@@ -164,6 +183,36 @@ def test_bytes_follow_the_warmup(mirrored):
     ]
     assert ratios == pytest.approx(expected)
     assert hook.sent_bytes([0]) == 100 * 8
+
+
+def test_16_and_64_bit_gradients_in_the_warmup(mirrored):
+    """The warm-up's `k` is known only when the step runs: an odd number of
+    bfloat16 entries (padded to int32 words) and float64 ones travel in the
+    same all-gather. Integer-valued gradients keep bfloat16 exact."""
+    hook = DGC(ratio=0.2, momentum=0.5, warmup_steps=2)
+    assert hook.warmup_schedule == ((0, 0.25), (2, 0.2))
+    shapes = [(9,), (5,)]
+    harness = Harness(mirrored(2), hook, shapes, ["bfloat16", "float64"])
+    rng = np.random.default_rng(9)
+    grads = [
+        [
+            (rng.permutation(9) + 1) * rng.choice([-1, 1], 9),
+            (rng.permutation(5) + 1) * rng.choice([-1, 1], 5),
+        ]
+        for _ in range(2)
+    ]
+    grads = [[g[0].astype("float32"), g[1].astype("float64")] for g in grads]
+    expected, _, _ = reference_dgc(
+        [[[g.astype("float64") for g in r] for r in grads]], [0.25], 0.5
+    )
+    bf16 = tf.bfloat16.as_numpy_dtype
+    got = harness.reduce([[g[0].astype(bf16), g[1]] for g in grads])
+    for tensor, want in zip(got, expected[0]):
+        for replica_result in tensor:
+            np.testing.assert_array_equal(replica_result.astype("float64"), want)
+    # k = 3 of 9 and 2 of 5 per replica (the replicas' entries may overlap).
+    for tensor, k in zip(got, (3, 2)):
+        assert k <= np.count_nonzero(tensor[0]) <= 2 * k
 
 
 def test_state_is_per_replica_and_not_trainable(mirrored):

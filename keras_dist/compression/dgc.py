@@ -18,7 +18,7 @@ from keras_dist.compression.base import (
     num_elements,
     replica_context,
 )
-from keras_dist.compression.topk import _all_gather_int32, top_k_indices
+from keras_dist.compression.topk import top_k_indices
 
 _INDEX_BYTES = 4
 # The paper's warm-up: densities 25%, 6.25%, 1.5625%, 0.390625% (sparsity 75%,
@@ -201,7 +201,7 @@ class DGC(AllReduceHook):
             (self.warmup_steps * j // len(densities), d)
             for j, d in enumerate(densities)
         ]
-        stages.append((self.warmup_steps, self.ratio))
+        stages.append((self.warmup_steps if densities else 0, self.ratio))
         # With fewer steps than stages, stages that would last 0 steps drop.
         return tuple(
             stage
@@ -299,29 +299,11 @@ class DGC(AllReduceHook):
         ctx = replica_context()
         step = self.state("step").assign_add(1) - 1
         stages = self.warmup_schedule
-        if len(stages) == 1:
-            return self._reduce_at(gradients, indices, stages[0][1])
-
-        # One branch per density: `k` must be static for `top_k` and the
-        # all-gather. A collective inside a replica-context `tf.switch_case`
-        # cannot be traced under MirroredStrategy, so the branch is taken in
-        # cross-replica context, as `PowerSGD` does before `start_step`.
-        def choose(strategy, step, gradients):
-            first = strategy.experimental_local_results(step)[0]
-            stage = _stage_index(first, stages)
-
-            def branch(density):
-                return lambda: strategy.extended.call_for_each_replica(
-                    self._reduce_at, args=(gradients, indices, density)
-                )
-
-            return tf.switch_case(stage, [branch(d) for _, d in stages])
-
-        return list(ctx.merge_call(choose, args=(step, gradients)))
-
-    def _reduce_at(self, gradients, indices, density):
-        ctx = replica_context()
-        gradients = list(gradients)
+        # The stage is the same on every replica (the step counters agree),
+        # so during the warm-up `k` is a tensor, not a branch of the graph:
+        # every replica sends the same number of entries, and the
+        # all-gather takes shapes known only when the step runs.
+        stage = _stage_index(step, stages) if len(stages) > 1 else None
         sparse_positions = [i for i, g in enumerate(gradients) if g.dtype.is_floating]
         dense_positions = [
             i for i, g in enumerate(gradients) if not g.dtype.is_floating
@@ -350,9 +332,8 @@ class DGC(AllReduceHook):
                 u = self.momentum * u + gradient
                 v = v + u
             flat_v = tf.reshape(v, [-1])
-            top = top_k_indices(
-                tf.abs(flat_v), self.k_for(self.variable_specs[index], density)
-            )
+            spec = self.variable_specs[index]
+            top = self._top_k(tf.abs(flat_v), spec, stage)
             values = tf.gather(flat_v, top)
             if scale is not None:
                 values = values * tf.cast(scale, values.dtype)
@@ -367,7 +348,7 @@ class DGC(AllReduceHook):
             updates.append((accumulation, masked_v))
 
         if sparse_positions:
-            gathered = _all_gather_int32(
+            gathered = _all_gather_words(
                 ctx, [top for _, top, _ in selections], [v for _, _, v in selections]
             )
             for (position, _, _), (top, values) in zip(selections, gathered):
@@ -390,9 +371,9 @@ class DGC(AllReduceHook):
         finite = tf.reduce_all(
             [tf.reduce_all(tf.math.is_finite(result[p])) for p in sparse_positions]
         )
-        # Selects, not `tf.cond`s: inside a warm-up branch (a `Case` op) a
-        # cond stays a function call per tensor, which cost 3x the step time
-        # of the digits CNN.
+        # Selects, not `tf.cond`s: when `reduce` runs inside a branch (the
+        # update `cond` of GradientAccumulationOptimizer) a cond stays a
+        # function call per tensor, which is slow on small tensors.
         assignments = []
         for variable, new in updates:
             new = tf.reshape(new, variable.shape)
@@ -404,6 +385,25 @@ class DGC(AllReduceHook):
             )
         with tf.control_dependencies(assignments):
             return [tf.identity(r) for r in result]
+
+    def _top_k(self, magnitudes, spec, stage):
+        """Indices of the entries to send: `k_for(spec, density)` of them."""
+        stages = self.warmup_schedule
+        ks = [self.k_for(spec, density) for _, density in stages]
+        if stage is None or len(set(ks)) == 1:
+            return top_k_indices(magnitudes, ks[-1])
+        k = tf.gather(tf.constant(ks, tf.int32), stage)
+
+        def warmup():
+            return tf.math.top_k(magnitudes, k=k, sorted=False).indices
+
+        # After the warm-up, `top_k_indices`'s sampled search with a static
+        # `k` (much faster on large tensors on CPU).
+        return tf.cond(
+            stage == len(stages) - 1,
+            lambda: top_k_indices(magnitudes, ks[-1]),
+            warmup,
+        )
 
     # --- Statistics -----------------------------------------------------------
 
@@ -477,3 +477,51 @@ def _clip_by_global_norm(tensors, threshold):
     )
     factor = threshold / tf.maximum(norm, threshold)
     return [t * tf.cast(factor, t.dtype) for t in tensors]
+
+
+def _to_words(values):
+    """Bit-casts a float vector to int32 words (16-bit: padded to even)."""
+    size = values.dtype.size
+    if size == 4:
+        return tf.bitcast(values, tf.int32)
+    if size == 8:
+        return tf.reshape(tf.bitcast(values, tf.int32), [-1])
+    values = tf.pad(values, [[0, tf.shape(values)[0] % 2]])
+    return tf.bitcast(tf.reshape(values, [-1, 2]), tf.int32)
+
+
+def _from_words(words, dtype, count):
+    """Inverse of `_to_words` for gathered rows `[replicas, words]`."""
+    replicas = tf.shape(words)[0]
+    size = dtype.size
+    if size == 4:
+        values = tf.bitcast(words, dtype)
+    elif size == 8:
+        values = tf.bitcast(tf.reshape(words, [replicas, -1, 2]), dtype)
+    else:
+        values = tf.reshape(tf.bitcast(words, dtype), [replicas, -1])
+    return tf.reshape(values[:, :count], [-1])
+
+
+def _all_gather_words(ctx, tops, values):
+    """All-gathers every (indices, values) pair in one int32 collective.
+
+    Like `TopK`'s, for sizes that may be known only when the step runs (the
+    warm-up's `k`); every replica sends the same sizes. Returns, per pair,
+    the indices and values of all replicas concatenated.
+    """
+    pieces = [*tops, *(_to_words(v) for v in values)]
+    sizes = tf.stack([tf.shape(p)[0] for p in pieces])
+    row = tf.concat(pieces, axis=0)
+    num_replicas = ctx.num_replicas_in_sync
+    gathered = ctx.all_gather(row, axis=0) if num_replicas > 1 else row
+    rows = tf.reshape(gathered, [num_replicas, -1])
+    columns = tf.split(rows, sizes, axis=1, num=len(pieces))
+    n = len(tops)
+    return [
+        (
+            tf.reshape(columns[i], [-1]),
+            _from_words(columns[n + i], values[i].dtype, tf.shape(values[i])[0]),
+        )
+        for i in range(n)
+    ]
