@@ -66,6 +66,11 @@ class GradientStatistics:
         self.reduced_sq_norm_sum = variable("reduced_sq_norm_sum", tf.float64)
         self.count = variable("count", tf.int64)
 
+    @property
+    def variables(self) -> list:
+        """The running sums, for `BackupAndRestore`."""
+        return [self.local_sq_norm_sum, self.reduced_sq_norm_sum, self.count]
+
     def record(self, local_gradients, reduced_gradients):
         """Adds one update's squared norms to the sums (replica context).
 

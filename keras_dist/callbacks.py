@@ -952,6 +952,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._previous_sigterm = None
         self._in_fit = False
         self._train_function = None
+        self._pending = None
 
     # --- fit hooks -------------------------------------------------------------------
 
@@ -970,6 +971,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._preempted = False
         self._resume = None
         self._train_function = None
+        self._pending = None
         found = _backup.read_latest(self.backup_dir)
         if found is not None:
             path, manifest, values = found
@@ -997,9 +999,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._install_sigterm_handler()
 
     def on_epoch_begin(self, epoch, logs=None):
+        # An end-of-epoch backup is written here: after every callback's
+        # `on_epoch_end`, and after `fit` reset the metrics for this epoch.
+        self._flush()
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
+        self._flush()
         self._batch_begin = batch
         resume = self._resume
         if resume is not None and not resume.restored:
@@ -1012,21 +1018,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         if _is_replayed(self.model, batch):
             return
         self._batches_since_save += max(1, batch - self._batch_begin + 1)
+        calls = batch // self._spx + 1
         if self._agree_on_preemption():
-            self._save(epoch=self._epoch, calls=batch // self._spx + 1, logs=logs)
-            logger.warning(
-                "BackupAndRestore: preempted (SIGTERM); backup written at epoch "
-                "%d, batch %d. Exiting with status %d for a restart.",
-                self._epoch,
-                batch,
-                _process.EXIT_PREEMPTED,
-            )
-            self._restore_sigterm_handler()
-            raise SystemExit(_process.EXIT_PREEMPTED)
-        if self.save_freq != "epoch" and self._batches_since_save >= self.save_freq:
-            self._save(epoch=self._epoch, calls=batch // self._spx + 1, logs=logs)
+            self._request_save(self._epoch, calls, logs, preempted=batch)
+        elif self.save_freq != "epoch" and self._batches_since_save >= self.save_freq:
+            self._request_save(self._epoch, calls, logs)
 
     def on_epoch_end(self, epoch, logs=None):
+        self._flush()
         _set_replay(self.model, None, 0)
         if self._train_function is not None:
             # A backup written at the end of the epoch: every call of it was
@@ -1034,9 +1033,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.model.train_function = self._train_function
             self._train_function = None
         if self.save_freq == "epoch":
-            self._save(epoch=epoch + 1, calls=0, logs=logs)
+            self._request_save(epoch + 1, 0, logs)
 
     def on_train_end(self, logs=None):
+        if self._pending is not None and (
+            self._pending["preempted"] is not None or not self.delete_checkpoint
+        ):
+            self._flush()
+        self._pending = None
         self._end_fit()
         if self.delete_checkpoint and self._is_chief():
             _backup.remove_all(self.backup_dir)
@@ -1050,16 +1054,47 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _is_chief(self) -> bool:
         return bool(self._strategy.extended.should_checkpoint)
 
-    def _save(self, epoch, calls, logs):
-        """Writes a backup (chief) after gathering per-replica state (all)."""
-        model = self.model
+    def _request_save(self, epoch, calls, logs, preempted=None):
+        """Notes a backup of the state after this batch (or epoch).
+
+        It is written at the next callback hook of `fit`, once every other
+        callback has seen this batch: their state (AutoScaleBatch's
+        counters and decisions) must be that of the end of the batch.
+        """
         self._batches_since_save = 0
-        if calls == 0 and not _compat.next_epoch_starts_fresh(self._epoch_iterator):
-            position = _compat.epoch_iterator_position(self._epoch_iterator)
-        elif calls == 0:
+        if calls == 0 and _compat.next_epoch_starts_fresh(self._epoch_iterator):
             position = 0
         else:
             position = _compat.epoch_iterator_position(self._epoch_iterator)
+        self._pending = {
+            "epoch": int(epoch),
+            "calls": int(calls),
+            "position": int(position),
+            "logs": _float_logs(logs),
+            "preempted": preempted,
+        }
+
+    def _flush(self):
+        """Writes the backup `_request_save` noted; exits when preempted."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        preempted = pending.pop("preempted")
+        self._save(**pending)
+        if preempted is not None:
+            logger.warning(
+                "BackupAndRestore: preempted (SIGTERM); backup written at epoch "
+                "%d, batch %d. Exiting with status %d for a restart.",
+                pending["epoch"],
+                preempted,
+                _process.EXIT_PREEMPTED,
+            )
+            self._restore_sigterm_handler()
+            raise SystemExit(_process.EXIT_PREEMPTED)
+
+    def _save(self, epoch, calls, position, logs):
+        """Writes a backup (chief) after gathering per-replica state (all)."""
+        model = self.model
         items = _backup.inventory(model)
         values = _backup.read_values(items, self._strategy)
         if not self._is_chief():
@@ -1075,7 +1110,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "steps_per_execution": self._spx,
             "replicas": replicas,
             "workers": _workers(self._strategy),
-            "logs": _float_logs(logs),
+            "logs": logs,
             "callbacks": _provider_states(model),
             "variables": _backup.describe(items, values),
         }

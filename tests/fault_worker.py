@@ -41,7 +41,7 @@ def data():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(EXAMPLES, FEATURES)).astype("float32")
     w = rng.normal(size=(FEATURES, 1)).astype("float32")
-    y = (x @ w + 2.0 * rng.normal(size=(EXAMPLES, 1))).astype("float32")
+    y = (x @ w + 8.0 * rng.normal(size=(EXAMPLES, 1))).astype("float32")
     return x, y
 
 

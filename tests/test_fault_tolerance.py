@@ -141,7 +141,7 @@ def test_sigkill_after_autoscale_grew_the_batch_resumes_exactly(tmp_path, refere
     grown = summary(references / "autoscale")
     # The adaptive batch grew during the reference run (2 -> more).
     assert grown["accumulation_steps"] > 2
-    assert max(grown["history"]["batch_size"][:2]) > 16 * 2
+    assert grown["history"]["batch_size"][0] > 16 * 2  # grown in epoch 1 of 4
     status, output, _ = launch(
         tmp_path, "--config", "autoscale", "--hurt", "0:kill:31", max_restarts=1
     )
