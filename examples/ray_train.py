@@ -9,12 +9,14 @@ show up in Ray's `Result`.
 
     pip install "keras-dist[ray]"
     python examples/ray_train.py                        # a local Ray, 2 workers
+    python examples/ray_train.py --max-failures 1 --backup-dir /shared/backups
     RAY_ADDRESS=auto python examples/ray_train.py --workers 4   # a running cluster
 
 With `--max-failures N` Ray restarts the whole worker group when a worker
-dies, up to N times. Without a checkpoint the restarted group trains from
-the first epoch again: the run ends with the same weights, and the epochs
-done before the failure are lost time.
+dies, up to N times. With `--backup-dir` (a folder every Ray node can read)
+`keras_dist.callbacks.BackupAndRestore` makes the new group resume from the
+last backup (every epoch); without it the new group trains from the first
+epoch again, and the epochs done before the failure are lost time.
 """
 
 import argparse
@@ -53,8 +55,14 @@ def train_loop_per_worker(config):
                     checkpoint = ray.train.Checkpoint.from_directory(folder)
                 ray.train.report(metrics, checkpoint)
 
+    callbacks = [Report()]
+    if config["backup_dir"]:
+        # Ray restarts the whole group; every worker reads the backup.
+        import keras_dist
+
+        callbacks.insert(0, keras_dist.callbacks.BackupAndRestore(config["backup_dir"]))
     model, strategy, history = script.train(
-        config["epochs"], callbacks=[Report()], hook=config["hook"]
+        config["epochs"], callbacks=callbacks, hook=config["hook"]
     )
     if config["out"]:
         script.save(config["out"], model, strategy, history)
@@ -71,6 +79,11 @@ def main(argv=None):
     )
     parser.add_argument(
         "--storage", help="Ray Train's storage_path (default: ~/ray_results)"
+    )
+    parser.add_argument(
+        "--backup-dir",
+        help="BackupAndRestore's folder, readable by every Ray node: a "
+        "restarted group resumes where the last backup was written",
     )
     args = parser.parse_args(argv)
 
@@ -93,6 +106,7 @@ def main(argv=None):
             "epochs": args.epochs,
             "hook": args.hook,
             "out": os.path.abspath(args.out) if args.out else None,
+            "backup_dir": os.path.abspath(args.backup_dir) if args.backup_dir else None,
         },
         scaling_config=ScalingConfig(num_workers=args.workers),
         run_config=RunConfig(

@@ -58,34 +58,36 @@ def one_device(tmp_path_factory):
     return run
 
 
-def test_two_ray_workers_equal_one_device(ray_address, one_device, tmp_path):
-    result = _run_example(
-        ray_address, tmp_path, "--epochs=2", "--hook=none", "--max-failures=0"
-    )
+def test_two_ray_workers_train_the_readme_script(ray_address, one_device, tmp_path):
+    """The README's script as is (FP16): identical workers, reports carry logs."""
+    result = _run_example(ray_address, tmp_path, "--epochs=2", "--hook=fp16")
     assert result.returncode == 0, result.output[-6000:]
+    assert "auto_strategy chose MultiWorkerMirroredStrategy" in result.output
     first = example_weights(tmp_path / "weights-worker-0.npz")
     second = example_weights(tmp_path / "weights-worker-1.npz")
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
+    # FP16 rounds each worker's half of the gradient; one device does not
+    # (measured: 1.3e-4 after 2 epochs).
     for got, want in zip(first, one_device("none", 2)):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-3)
     # ray.train.report carried every epoch's logs to the driver.
     reports = json.loads((tmp_path / "reports.json").read_text())
     assert [row["epoch"] for row in reports] == [1, 2]
+    assert all(row["compression_ratio"] == 2.0 for row in reports)
     history = json.loads((tmp_path / "history-worker-0.json").read_text())
     np.testing.assert_allclose(
         [row["loss"] for row in reports], history["loss"], rtol=1e-6
     )
-    assert "accuracy" in reports[-1]
-    assert "auto_strategy chose MultiWorkerMirroredStrategy" in result.output
 
 
-def test_ray_restarts_a_killed_worker(ray_address, one_device, tmp_path):
-    """FailureConfig(max_failures=1): a worker SIGKILLed in epoch 2 of 3.
+def test_a_killed_ray_worker_resumes_from_the_backup(ray_address, one_device, tmp_path):
+    """FailureConfig(max_failures=1) + BackupAndRestore: SIGKILL in epoch 2.
 
-    Ray replaces the whole worker group, which trains from the first epoch
-    again (the example resumes from no checkpoint): the epochs before the
-    kill are lost time, not lost correctness.
+    Ray replaces the whole worker group; the new group finds the backup of
+    epoch 1 and trains epochs 2 and 3 only. The result equals one device
+    (uncompressed, so to float32 precision): nothing is lost but the part
+    of epoch 2 done before the kill.
     """
     killed = []
 
@@ -99,25 +101,26 @@ def test_ray_restarts_a_killed_worker(ray_address, one_device, tmp_path):
         ray_address,
         tmp_path,
         "--epochs=3",
-        "--hook=fp16",
+        "--hook=none",
         "--max-failures=1",
+        f"--backup-dir={tmp_path / 'backups'}",
         on_line=kill_in_epoch_two,
     )
     assert killed, result.output[-6000:]
     assert result.returncode == 0, result.output[-6000:]
     assert "[FailurePolicy] RETRY" in result.output, result.output[-6000:]
     assert result.output.count("Started training worker group of size 2") == 2
-    # Ray's Result keeps the reports of the group that finished: all 3 epochs.
+    assert "BackupAndRestore: resumed from" in result.output
+    # Ray's Result keeps the reports of the group that finished.
     reports = json.loads((tmp_path / "reports.json").read_text())
-    assert [int(row["epoch"]) for row in reports] == [1, 2, 3]
-    assert all(row["compression_ratio"] == 2.0 for row in reports)
+    assert [int(row["epoch"]) for row in reports] == [2, 3]
+    assert "loss" in reports[-1]
     first = example_weights(tmp_path / "weights-worker-0.npz")
     second = example_weights(tmp_path / "weights-worker-1.npz")
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
-    # FP16 rounds each worker's half of the gradient; one device does not.
     for got, want in zip(first, one_device("none", 3)):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-3)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
 class _Result:
