@@ -76,7 +76,15 @@ def summary(folder):
 def assert_same_run(got, reference):
     for a, b in zip(weights(got), weights(reference), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
-    assert summary(got) == summary(reference)
+    got, reference = summary(got), summary(reference)
+    assert got["iterations"] == reference["iterations"]
+    assert got["accumulation_steps"] == reference["accumulation_steps"]
+    # The resumed fit's History has the epochs it ran (the resumed one
+    # included), with the same logs as the uninterrupted run's.
+    assert set(got["history"]) == set(reference["history"])
+    for key, values in got["history"].items():
+        assert values, key
+        assert values == reference["history"][key][-len(values) :], key
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +123,8 @@ def test_kill_inside_a_save_then_sigterm_resume_exactly(tmp_path, references):
     assert "restart 1 of 2: worker:0 failed with exit code 137" in output
     assert "fp16/backup-00000001 at epoch 0, after 4 batches" in output
     assert "preempted (SIGTERM); backup written at epoch 0, batch 6" in output
-    assert "restart 2 of 2: worker:1 was preempted (status 75" in output
+    # Both workers exit 75; the launcher names the first it saw.
+    assert "was preempted (status 75" in output
     assert "at epoch 0, after 7 batches of it" in output
     assert_same_run(tmp_path / "out" / "fp16", references / "fp16")
 
