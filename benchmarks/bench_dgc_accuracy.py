@@ -1,7 +1,7 @@
 """Accuracy of Deep Gradient Compression vs TopK under momentum, on digits.
 
 Trains the digits CNN of `tests/test_compression_training.py` (two 3x3
-convolutions, max pooling, a 64-unit dense layer; 29,802 parameters) on
+convolutions, max pooling, a 64-unit dense layer; 23,946 parameters) on
 scikit-learn's digits (1,797 8x8 images; 1,437 for training, 360 for test,
 the same permutation as the tests) with `keras_dist.DistributedModel` under a
 `MirroredStrategy` over two logical CPU devices, global batch 32, four ways:
@@ -20,7 +20,7 @@ ratio: after the warm-up (what each step sends then) and over the whole run
 
 With `--resnet-epochs N` (default 1) it also trains a small CIFAR-shaped
 ResNet (32x32x3 inputs made by upsampling the digits 4x and repeating the
-channel; 3 stages of 2 residual blocks, 16/32/64 filters, 175,258
+channel; 3 stages of 2 residual blocks, 16/32/64 filters, 176,378
 parameters) for N epochs, uncompressed momentum SGD vs `DGC(0.001)`: a
 smoke of scale, not an accuracy claim.
 

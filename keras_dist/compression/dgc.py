@@ -95,6 +95,14 @@ class DGC(AllReduceHook):
     scale overflow, which the `LossScaleOptimizer` skips) leaves the state
     unchanged.
 
+    **Measured** (digits CNN, 2 replicas, SGD at 0.02, 3 seeds; see
+    `docs/benchmarks/dgc.md`): after 10 epochs `DGC(0.001)` reached 0.987
+    test accuracy against 0.985 for uncompressed momentum SGD and 0.966 for
+    `TopK(0.001)` with momentum; after 4 epochs it was 18 points behind
+    (`TopK`: 22). At high sparsity an entry waits hundreds of updates
+    between sends, so short runs lag; `DGC(0.01)` was 3 points behind after
+    4 epochs. Tested on logical CPU replicas, not in worker processes.
+
     Bytes sent per replica and step: `k * (value size + 4)` per tensor, as
     `TopK`; non-float gradients are summed with a plain all-reduce.
     `stats()` and the `compression_ratio` log follow the warm-up. State, per
