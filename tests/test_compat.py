@@ -195,3 +195,69 @@ def test_other_backend_raises_import_error(backend):
     assert "ImportError" in result.stderr
     assert "KERAS_BACKEND=tensorflow" in result.stderr
     assert repr(backend) in result.stderr
+
+
+class _SeesFit(keras.callbacks.Callback):
+    """Records what `_compat` finds of the running `fit` at each hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_begin(self, logs=None):
+        self.iterator = _compat.fit_epoch_iterator(self.model)
+        assert self.iterator is not None, (
+            "Keras's fit no longer has a local `epoch_iterator` "
+            "(keras/src/backend/tensorflow/trainer.py): BackupAndRestore cannot "
+            "resume inside an epoch."
+        )
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(_compat.epoch_iterator_position(self.iterator))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(("fresh", _compat.next_epoch_starts_fresh(self.iterator)))
+
+
+def _tiny_model():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_fit_epoch_iterator_counts_batches_and_knows_fresh_epochs():
+    x, y = tf.zeros((8, 2)), tf.zeros((8, 1))
+    seer = _SeesFit()
+    _tiny_model().fit(x, y, batch_size=4, epochs=2, callbacks=[seer], verbose=0)
+    # Read whole each epoch: the count starts again, a new iterator each epoch.
+    assert seer.seen == [1, 2, ("fresh", True)] * 2
+    stream = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat()
+    seer = _SeesFit()
+    _tiny_model().fit(stream, steps_per_epoch=2, epochs=2, callbacks=[seer], verbose=0)
+    # One stream: the count goes on, the next epoch reads on.
+    assert seer.seen == [1, 2, ("fresh", False), 3, 4, ("fresh", False)]
+    assert _compat.fit_epoch_iterator(_tiny_model()) is None
+    _compat.set_epoch_iterator_position(seer.iterator, 7)
+    assert seer.iterator._steps_seen == 7
+
+
+def test_initial_epoch_is_what_fit_reads():
+    model = _tiny_model()
+    _compat.set_initial_epoch(model, 1)
+    history = model.fit(tf.zeros((4, 2)), tf.zeros((4, 1)), epochs=2, verbose=0)
+    assert history.epoch == [1]
+    _compat.set_initial_epoch(model, None)
+    assert model._initial_epoch is None
+
+
+def test_stock_backup_paths_are_where_we_redirect_them(tmp_path):
+    callback = keras.callbacks.BackupAndRestore(str(tmp_path / "shared"))
+    previous = _compat.redirect_stock_backup(callback, str(tmp_path / "mine"))
+    assert callback.backup_dir == str(tmp_path / "mine")
+    assert callback._weights_path == str(tmp_path / "mine" / "latest.weights.h5")
+    assert set(previous) == set(_compat._STOCK_BACKUP_PATHS)
+    assert all(str(tmp_path / "shared") in str(value) for value in previous.values())
+    _compat.restore_attributes(callback, previous)
+    assert callback._training_metadata_path == str(
+        tmp_path / "shared" / "training_metadata.json"
+    )
