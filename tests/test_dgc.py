@@ -1,5 +1,6 @@
 """Deep Gradient Compression: the update against NumPy, state, training."""
 
+import inspect
 import math
 
 import keras
@@ -449,6 +450,8 @@ def test_config_round_trip():
         keras.saving.serialize_keras_object(hook)
     )
     assert isinstance(clone, DGC) and clone.get_config() == config
+    assert set(config) == set(inspect.signature(DGC).parameters)
+    assert repr(clone) == repr(hook)
     assert DGC().get_config() == {
         "ratio": 0.001,
         "momentum": 0.9,
