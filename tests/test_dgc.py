@@ -7,10 +7,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import workers
 from helpers import Harness, compile_model, make_data, max_abs_diff, mlp, random_grads
 
 import keras_dist
 from keras_dist.compression import DGC
+from keras_dist.testing import run_workers
 
 BATCH = 16
 
@@ -431,6 +433,31 @@ def test_compression_ratio_is_logged(mirrored):
     assert hook.warmup_schedule == ((0, 0.25), (4, 0.1))
     assert history.history["compression_ratio"][-1] == pytest.approx(hook.stats().ratio)
     assert history.history["compression_ratio"][0] < hook.stats().ratio
+
+
+@pytest.mark.multiworker
+def test_two_worker_processes_equal_two_logical_replicas(mirrored):
+    """Under MultiWorkerMirroredStrategy the warm-up's all-gather has sizes
+    known only when the step runs (TensorFlow gathers the sizes first):
+    both workers end with the same weights, equal to 2 logical replicas."""
+    hooks = [
+        DGC(ratio=0.1, warmup_steps=4),
+        DGC(ratio=0.05, warmup_steps=3, clipnorm=1.0, nesterov=True),
+    ]
+    results = run_workers(
+        workers.compressed_fit,
+        num_workers=2,
+        args=([keras.saving.serialize_keras_object(h) for h in hooks],),
+        timeout=300,
+    )
+    x, y = make_data()
+    for index, hook in enumerate(hooks):
+        first, second = (results[w][index] for w in range(2))
+        assert max_abs_diff(first["weights"], second["weights"]) == 0
+        assert int(first["state"]["step"]) == 8
+        model = _dgc_model(mirrored(2), DGC.from_config(hook.get_config()))
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        assert max_abs_diff(first["weights"], model.get_weights()) < 1e-6
 
 
 # --- Arguments and config -------------------------------------------------------

@@ -101,7 +101,12 @@ class DGC(AllReduceHook):
     `TopK(0.001)` with momentum; after 4 epochs it was 18 points behind
     (`TopK`: 22). At high sparsity an entry waits hundreds of updates
     between sends, so short runs lag; `DGC(0.01)` was 3 points behind after
-    4 epochs. Tested on logical CPU replicas, not in worker processes.
+    4 epochs. Tested on logical CPU replicas and in 2 worker processes
+    (`MultiWorkerMirroredStrategy`, equal to 2 logical replicas); not on
+    GPUs. During the warm-up `k` changes with the step, so the all-gather
+    takes sizes known only when the step runs (under
+    `MultiWorkerMirroredStrategy` TensorFlow gathers the sizes first: one
+    more small collective).
 
     Bytes sent per replica and step: `k * (value size + 4)` per tensor, as
     `TopK`; non-float gradients are summed with a plain all-reduce.
