@@ -154,9 +154,18 @@ def inventory(model) -> list[Item]:
 # --- Reading and writing variable values ---------------------------------------------
 
 
+def local_replicas(strategy) -> int:
+    """Replicas of `strategy` in this process (1 for the default strategy)."""
+    try:
+        return len(strategy.extended.worker_devices)
+    except RuntimeError:
+        # The default strategy has no `worker_devices`: one replica.
+        return 1
+
+
 def _worker_layout(strategy) -> tuple[int, int]:
     """Returns (first global replica id of this worker, local replicas)."""
-    local = len(strategy.extended.worker_devices)
+    local = local_replicas(strategy)
     resolver = getattr(strategy, "cluster_resolver", None)
     task_id = getattr(resolver, "task_id", None) or 0
     if strategy.num_replicas_in_sync == local:

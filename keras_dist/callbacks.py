@@ -1191,7 +1191,7 @@ EXIT_PREEMPTED = _process.EXIT_PREEMPTED
 
 
 def _workers(strategy) -> int:
-    return strategy.num_replicas_in_sync // len(strategy.extended.worker_devices)
+    return strategy.num_replicas_in_sync // _backup.local_replicas(strategy)
 
 
 def _version() -> str:

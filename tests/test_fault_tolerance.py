@@ -549,3 +549,17 @@ def test_backup_keeps_two_and_removes_partials(tmp_path):
     shutil.rmtree(tmp_path / "backup-00000004")
     # CURRENT names a folder that is gone: the previous one is used.
     assert _backup.read_latest(folder)[0].endswith("backup-00000003")
+
+
+def test_resume_is_exact_without_a_strategy(tmp_path):
+    # The default strategy (one device, no strategy scope): the README's case.
+    strategy = tf.distribute.get_strategy()
+    x, y = data()
+    inputs, _ = PIPELINES["epochs"](x, y)
+    reference = make_model(strategy)
+    fit_until(reference, str(tmp_path / "r"), inputs)
+    fit_until(make_model(strategy), str(tmp_path / "b"), inputs, 10)
+    resumed = make_model(strategy)
+    fit_until(resumed, str(tmp_path / "b"), inputs)
+    for a, b in zip(resumed.weights, reference.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
