@@ -438,8 +438,8 @@ def test_compression_ratio_is_logged(mirrored):
 @pytest.mark.multiworker
 def test_two_worker_processes_equal_two_logical_replicas(mirrored):
     """Under MultiWorkerMirroredStrategy the warm-up's all-gather has sizes
-    known only when the step runs (TensorFlow gathers the sizes first):
-    both workers end with the same weights, equal to 2 logical replicas."""
+    known only when the step runs: both workers end with the same weights,
+    equal to 2 logical replicas."""
     hooks = [
         DGC(ratio=0.1, warmup_steps=4),
         DGC(ratio=0.05, warmup_steps=3, clipnorm=1.0, nesterov=True),

@@ -104,9 +104,8 @@ class DGC(AllReduceHook):
     4 epochs. Tested on logical CPU replicas and in 2 worker processes
     (`MultiWorkerMirroredStrategy`, equal to 2 logical replicas); not on
     GPUs. During the warm-up `k` changes with the step, so the all-gather
-    takes sizes known only when the step runs (under
-    `MultiWorkerMirroredStrategy` TensorFlow gathers the sizes first: one
-    more small collective).
+    takes sizes known only when the step runs (TensorFlow's collective
+    all-gather exchanges the sizes first anyway, for `TopK` too).
 
     Bytes sent per replica and step: `k * (value size + 4)` per tensor, as
     `TopK`; non-float gradients are summed with a plain all-reduce.
