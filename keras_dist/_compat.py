@@ -379,6 +379,35 @@ def next_epoch_starts_fresh(epoch_iterator) -> bool:
     )
 
 
+def build_from_epoch_iterator(model, epoch_iterator) -> None:
+    """Builds what `fit` would build in its first step (metrics, optimizer).
+
+    Without a strategy Keras builds the compiled metrics lazily, in the first
+    train step; a backup that holds their state is restored before it. Reads
+    one batch for its shapes and resets the iterator, as `fit` does before
+    its first epoch (call it from `on_train_begin`).
+    """
+    if not _needs_symbolic_build(model):
+        return
+    strategy = model.distribute_strategy
+    data_batch = None
+    for _, _, iterator in epoch_iterator:
+        batch = iterator[0] if isinstance(iterator, (list, tuple)) else next(iterator)
+        data_batch = keras.tree.map_structure(
+            lambda value: (
+                strategy.experimental_local_results(value)[0]
+                if isinstance(value, tf.distribute.DistributedValues)
+                else value
+            ),
+            batch,
+        )
+        break
+    epoch_iterator.reset()
+    if data_batch is not None:
+        with strategy.scope():
+            symbolic_build(model, data_batch)
+
+
 def set_initial_epoch(model, epoch: int | None) -> None:
     """Makes the next `fit` of `model` start at `epoch` (as stock Keras's
     `BackupAndRestore` does); `None` clears it."""

@@ -993,6 +993,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
             _compat.set_initial_epoch(model, self._resume.epoch)
             _set_replay(model, self._resume.epoch, self._resume.calls * self._spx)
+            # What the backup holds must exist before the first step.
+            _compat.build_from_epoch_iterator(model, self._epoch_iterator)
         else:
             _compat.set_initial_epoch(model, None)
             _set_replay(model, None, 0)
@@ -1124,6 +1126,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _restore(self, resume: _Resume):
         model = self.model
+        _build_training_state(model)
         items = _backup.inventory(model)
         _backup.check_compatible(resume.manifest, items, self._strategy, resume.path)
         _check_same_backup_everywhere(self._strategy, resume)
@@ -1188,6 +1191,24 @@ class BackupAndRestore(keras.callbacks.Callback):
 
 
 EXIT_PREEMPTED = _process.EXIT_PREEMPTED
+
+
+def _build_training_state(model) -> None:
+    """Creates the optimizer's and the hook's variables, if not yet there.
+
+    Without a strategy they appear only in the first trace of the train
+    step, after the first batch's `on_train_batch_begin`, where a backup is
+    restored.
+    """
+    from keras_dist.models import DistributedTrainerMixin
+
+    if isinstance(model, DistributedTrainerMixin):
+        model.build_all_reduce_hook()
+        return
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:
+        with model.distribute_strategy.scope():
+            optimizer.build(model.trainable_variables)
 
 
 def _workers(strategy) -> int:

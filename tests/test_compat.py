@@ -261,3 +261,23 @@ def test_stock_backup_paths_are_where_we_redirect_them(tmp_path):
     assert callback._training_metadata_path == str(
         tmp_path / "shared" / "training_metadata.json"
     )
+
+
+def test_build_from_epoch_iterator_builds_metrics_and_keeps_every_batch():
+    class Build(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            assert not self.model._compile_metrics.built
+            _compat.build_from_epoch_iterator(
+                self.model, _compat.fit_epoch_iterator(self.model)
+            )
+            self.built = self.model._compile_metrics.built
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    build = Build()
+    history = model.fit(
+        tf.zeros((12, 2)), tf.zeros((12, 1)), batch_size=4, callbacks=[build], verbose=0
+    )
+    assert build.built
+    assert int(model.optimizer.iterations.numpy()) == 3  # no batch lost
+    assert history.history["mae"] == [0.0]
