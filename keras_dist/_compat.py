@@ -204,17 +204,22 @@ class MultiWorkerBuildFix:
                         "that left nothing, `drop_remainder=True` on fewer "
                         "examples than one batch)."
                     ) from None
-                data_batch = keras.tree.map_structure(
-                    lambda value: (
-                        strategy.experimental_local_results(value)[0]
-                        if isinstance(value, tf.distribute.DistributedValues)
-                        else value
-                    ),
-                    batch,
-                )
+                data_batch = _first_replica_batch(strategy, batch)
                 break
         with strategy.scope():
             symbolic_build(self, data_batch)
+
+
+def _first_replica_batch(strategy, batch):
+    """The first local replica's shard of a distributed batch (for shapes)."""
+    return keras.tree.map_structure(
+        lambda value: (
+            strategy.experimental_local_results(value)[0]
+            if isinstance(value, tf.distribute.DistributedValues)
+            else value
+        ),
+        batch,
+    )
 
 
 # --- Optimizer state ------------------------------------------------------------
@@ -393,14 +398,7 @@ def build_from_epoch_iterator(model, epoch_iterator) -> None:
     data_batch = None
     for _, _, iterator in epoch_iterator:
         batch = iterator[0] if isinstance(iterator, (list, tuple)) else next(iterator)
-        data_batch = keras.tree.map_structure(
-            lambda value: (
-                strategy.experimental_local_results(value)[0]
-                if isinstance(value, tf.distribute.DistributedValues)
-                else value
-            ),
-            batch,
-        )
+        data_batch = _first_replica_batch(strategy, batch)
         break
     epoch_iterator.reset()
     if data_batch is not None:

@@ -246,15 +246,11 @@ def launch(
         failure: list = []
         status = _launch_once(
             command,
-            workers,
-            ps,
-            chief,
-            host,
+            (workers, ps, chief, host),
             grace_period,
             base_env,
             attempt,
-            out,
-            err,
+            (out, err),
             failure,
         )
         # Only a task's failure is worth a restart: not a launcher that was
@@ -282,19 +278,15 @@ def launch(
 
 
 def _launch_once(
-    command,
-    workers,
-    ps,
-    chief,
-    host,
-    grace_period,
-    base_env,
-    attempt,
-    out,
-    err,
-    failure,
+    command, layout, grace_period, base_env, attempt, streams, failure
 ) -> int:
-    """Starts every task of one attempt and supervises them to the end."""
+    """Starts every task of one attempt and supervises them to the end.
+
+    `layout` is `(workers, ps, chief, host)`, `streams` `(out, err)`; the
+    failed task's `(name, returncode)` is appended to `failure`.
+    """
+    workers, ps, chief, host = layout
+    out, err = streams
     try:
         spec = cluster_lib.local_cluster(workers=workers, ps=ps, chief=chief, host=host)
     except OSError as error:

@@ -407,7 +407,9 @@ def _with_collective_timeout(communication_options, collective_timeout):
         hint=f"It is in seconds; `None` reads {COLLECTIVE_TIMEOUT_ENV_VAR}.",
     )
     if collective_timeout is None:
-        collective_timeout = _seconds_from_env(COLLECTIVE_TIMEOUT_ENV_VAR, None)
+        collective_timeout = _seconds_from_env(
+            COLLECTIVE_TIMEOUT_ENV_VAR, None, "for no collective timeout"
+        )
     if collective_timeout is None:
         return communication_options
     options = communication_options or tf.distribute.experimental.CommunicationOptions()
@@ -427,7 +429,7 @@ def _with_collective_timeout(communication_options, collective_timeout):
     )
 
 
-def _seconds_from_env(name: str, default):
+def _seconds_from_env(name: str, default, unset_means: str):
     """Reads a positive, finite number of seconds from the environment."""
     text = os.environ.get(name, "").strip()
     if not text:
@@ -439,7 +441,8 @@ def _seconds_from_env(name: str, default):
     if not 0 < value < float("inf"):
         raise ValueError(
             f"The environment variable {name} must be a finite number of "
-            f"seconds > 0. Received: {name}={text!r}. Fix it, or unset it."
+            f"seconds > 0. Received: {name}={text!r}. Fix it, or unset it "
+            f"{unset_means}."
         )
     return value
 
@@ -448,21 +451,11 @@ def _startup_timeout(startup_timeout):
     """Returns the start-up timeout: the argument, the variable or the default."""
     if startup_timeout is not None:
         return startup_timeout
-    text = os.environ.get(STARTUP_TIMEOUT_ENV_VAR, "").strip()
-    if not text:
-        return DEFAULT_STARTUP_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise ValueError(
-            f"The environment variable {STARTUP_TIMEOUT_ENV_VAR} must be a "
-            "finite number of seconds > 0. Received: "
-            f"{STARTUP_TIMEOUT_ENV_VAR}={text!r}. Fix it, or unset it to wait "
-            f"{DEFAULT_STARTUP_TIMEOUT:g} s."
-        )
-    return value
+    return _seconds_from_env(
+        STARTUP_TIMEOUT_ENV_VAR,
+        DEFAULT_STARTUP_TIMEOUT,
+        f"to wait {DEFAULT_STARTUP_TIMEOUT:g} s",
+    )
 
 
 def _multi_worker(
