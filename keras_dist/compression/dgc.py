@@ -14,11 +14,10 @@ from keras_dist._validation import check_bool, check_int, check_real
 from keras_dist.compression.base import (
     AllReduceHook,
     CompressionStats,
-    all_reduce_sum,
     num_elements,
     replica_context,
 )
-from keras_dist.compression.topk import top_k_indices
+from keras_dist.compression.topk import sum_gathered_and_dense, top_k_indices
 
 _INDEX_BYTES = 4
 # The paper's warm-up: densities 25%, 6.25%, 1.5625%, 0.390625% (sparsity 75%,
@@ -363,17 +362,9 @@ class DGC(AllReduceHook):
             gathered = _all_gather_words(
                 ctx, [top for _, top, _ in selections], [v for _, _, v in selections]
             )
-            for (position, _, _), (top, values) in zip(selections, gathered):
-                gradient = gradients[position]
-                summed = tf.scatter_nd(
-                    top[:, None], values, [num_elements(gradient.shape)]
-                )
-                result[position] = tf.reshape(summed, gradient.shape)
-
-        if dense_positions:
-            summed = all_reduce_sum([gradients[i] for i in dense_positions])
-            for position, value in zip(dense_positions, summed):
-                result[position] = value
+        else:
+            gathered = []
+        sum_gathered_and_dense(result, gradients, selections, gathered, dense_positions)
 
         if not updates:
             return result

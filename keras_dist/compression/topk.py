@@ -123,17 +123,9 @@ class TopK(AllReduceHook):
             gathered = _all_gather_int32(
                 ctx, [top for _, top, _ in selections], [v for _, _, v in selections]
             )
-            for (position, _, _), (top, values) in zip(selections, gathered):
-                gradient = gradients[position]
-                summed = tf.scatter_nd(
-                    top[:, None], values, [num_elements(gradient.shape)]
-                )
-                result[position] = tf.reshape(summed, gradient.shape)
-
-        if dense_positions:
-            summed = all_reduce_sum([gradients[i] for i in dense_positions])
-            for position, value in zip(dense_positions, summed):
-                result[position] = value
+        else:
+            gathered = []
+        sum_gathered_and_dense(result, gradients, selections, gathered, dense_positions)
 
         updates = [
             residual.assign(tf.reshape(zero_if_not_finite(unsent), residual.shape))
@@ -262,3 +254,23 @@ def _all_gather_int32(ctx, tops, values):
         )
         out.append((top, value))
     return out
+
+
+def sum_gathered_and_dense(
+    result, gradients, selections, gathered, dense_positions
+) -> None:
+    """Fills `result` with the summed gradients of a sparsifying hook.
+
+    `selections` are `(position, indices, values)` of the sparsified
+    gradients and `gathered` every replica's `(indices, values)` for each
+    (an all-gather): duplicates add up in the dense sum. The gradients at
+    `dense_positions` are all-reduced as they are.
+    """
+    for (position, _, _), (top, values) in zip(selections, gathered):
+        gradient = gradients[position]
+        summed = tf.scatter_nd(top[:, None], values, [num_elements(gradient.shape)])
+        result[position] = tf.reshape(summed, gradient.shape)
+    if dense_positions:
+        summed = all_reduce_sum([gradients[i] for i in dense_positions])
+        for position, value in zip(dense_positions, summed):
+            result[position] = value
