@@ -1,0 +1,519 @@
+"""The cost of `keras_dist.callbacks.BackupAndRestore`: time per save, share of steps.
+
+Trains two models as `keras_dist.DistributedModel` with
+`GradientAccumulationOptimizer(Adam, accumulation_steps=2)` and the `FP16()`
+all-reduce hook on a `MirroredStrategy` over two logical CPU devices, with
+no callback and with `BackupAndRestore(save_freq=...)` for each `save_freq`
+asked for (1, 10 and 100 batches and `"epoch"` by default):
+
+- `digits`: scikit-learn's 1,797 digits and the demo's small CNN (Conv2D 32
+  -> Conv2D 64 -> pool -> Dense 128 -> Dense 10, 151,306 parameters);
+- `mlp25m`: Dense 1024 -> 4096 -> 4096 -> 1024 (25.2M parameters) on
+  generated data, mean squared error.
+
+Each run is one `fit` (same model, so nothing is traced again) over a fixed
+number of epochs with a fresh temporary `backup_dir` and
+`delete_checkpoint=True`. Configurations alternate in rounds, in reverse
+order every other round, so drifts of a shared machine hit all alike. Two
+measures:
+
+- step time: the wall time of `fit` divided by its batches; the median over
+  rounds, and its ratio to the median without the callback;
+- time per save: `keras_dist._backup.read_values` (the gather of every
+  variable's value, per-replica ones from each replica) and
+  `keras_dist._backup.write` (state.npz and manifest.json, fsync'd, then
+  `CURRENT` switched) are wrapped with `time.perf_counter()` in this
+  process, and so is the callback's whole save; the backup's size is that
+  of its `state.npz`.
+
+Usage:
+
+    python benchmarks/bench_backup.py [--models digits mlp25m]
+        [--save-freqs 1 10 100 epoch] [--out docs/benchmarks/backup.json]
+
+Prints a markdown table; writes the raw timings, the environment and the
+command to the JSON file, and a plot next to it (same name, `.png`) when
+matplotlib is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from _common import (
+    RunClock,
+    command,
+    import_stack,
+    plot_path,
+    pyplot,
+    save_figure,
+    versions,
+    write_report,
+)
+
+NUM_LOGICAL_CPUS = 2
+BATCH_SIZE = 64
+ACCUMULATION_STEPS = 2
+MODELS = ("digits", "mlp25m")
+NO_CALLBACK = "none"
+MLP_WIDTHS = (1024, 4096, 4096, 1024)
+WARMUP_BATCHES = 3
+
+
+def save_freq_arg(text):
+    if text == "epoch":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"a save frequency is 'epoch' or an int >= 1. Received: {text!r}."
+        )
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=(
+            "Time per save and step-time share of keras_dist's BackupAndRestore "
+            "for several save_freq values, on 2 logical CPU replicas."
+        )
+    )
+    parser.add_argument(
+        "--models", nargs="+", choices=MODELS, default=list(MODELS), help="Models."
+    )
+    parser.add_argument(
+        "--save-freqs",
+        nargs="+",
+        type=save_freq_arg,
+        default=[1, 10, 100, "epoch"],
+        help="save_freq values to measure (ints and/or 'epoch').",
+    )
+    parser.add_argument(
+        "--digits-epochs",
+        type=int,
+        default=8,
+        help="Epochs per digits run (28 batches of 64 each).",
+    )
+    parser.add_argument(
+        "--mlp-batches-per-epoch",
+        type=int,
+        default=6,
+        help="Batches of 64 generated examples per epoch of the 25M MLP.",
+    )
+    parser.add_argument(
+        "--mlp-epochs", type=int, default=2, help="Epochs per 25M-MLP run."
+    )
+    parser.add_argument(
+        "--digits-rounds", type=int, default=4, help="Rounds of digits runs."
+    )
+    parser.add_argument(
+        "--mlp-rounds", type=int, default=3, help="Rounds of 25M-MLP runs."
+    )
+    parser.add_argument(
+        "--tmp-dir",
+        default=None,
+        help="Where the temporary backup folders go (default: the system's).",
+    )
+    parser.add_argument(
+        "--out",
+        default=os.path.join("docs", "benchmarks", "backup.json"),
+        help="JSON file for the raw results; the plot goes next to it (.png).",
+    )
+    args = parser.parse_args(argv)
+    for name in (
+        "digits_epochs",
+        "mlp_batches_per_epoch",
+        "mlp_epochs",
+        "digits_rounds",
+        "mlp_rounds",
+    ):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1.")
+    return args
+
+
+def label(save_freq):
+    return NO_CALLBACK if save_freq is None else f"save_freq={save_freq}"
+
+
+class SaveTimer:
+    """Times the backup path by wrapping the module functions the callback calls."""
+
+    def __init__(self, backup_module):
+        self.records = []
+        self.cleanup_seconds = 0.0
+        self._module = backup_module
+        self._read_values = backup_module.read_values
+        self._write = backup_module.write
+        self._remove_all = backup_module.remove_all
+        backup_module.read_values = self._timed_read_values
+        backup_module.write = self._timed_write
+        backup_module.remove_all = self._timed_remove_all
+
+    def _timed_read_values(self, *args, **kwargs):
+        start = time.perf_counter()
+        values = self._read_values(*args, **kwargs)
+        self.records.append({"gather_s": time.perf_counter() - start})
+        return values
+
+    def _timed_write(self, backup_dir, *args, **kwargs):
+        start = time.perf_counter()
+        name = self._write(backup_dir, *args, **kwargs)
+        record = self.records[-1]
+        record["write_s"] = time.perf_counter() - start
+        state = os.path.join(backup_dir, name, self._module.STATE_FILE)
+        record["state_bytes"] = os.path.getsize(state)
+        return name
+
+    def _timed_remove_all(self, *args, **kwargs):
+        # `delete_checkpoint=True` at the end of `fit`.
+        start = time.perf_counter()
+        self._remove_all(*args, **kwargs)
+        self.cleanup_seconds += time.perf_counter() - start
+
+    def take(self):
+        """Returns the saves and the cleanup time since the last call."""
+        records, self.records = self.records, []
+        cleanup, self.cleanup_seconds = self.cleanup_seconds, 0.0
+        return records, cleanup
+
+
+def timed_callback_class(keras_dist):
+    """`BackupAndRestore` whose whole save (inventory, gather, write) is timed."""
+
+    class TimedBackupAndRestore(keras_dist.callbacks.BackupAndRestore):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.save_seconds = []
+
+        def _save(self, *args, **kwargs):
+            start = time.perf_counter()
+            super()._save(*args, **kwargs)
+            self.save_seconds.append(time.perf_counter() - start)
+
+    return TimedBackupAndRestore
+
+
+def digits_data(np):
+    """scikit-learn's 1,797 digits, scaled to [0, 1], as 8x8x1 images."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype("float32")[..., None]
+    return x, digits.target.astype("int32")
+
+
+def digits_model(keras):
+    """The demo's CNN; returns `(inputs, outputs, loss)`."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+    h = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(h)
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(128, activation="relu")(h)
+    outputs = keras.layers.Dense(10)(h)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return inputs, outputs, loss
+
+
+def mlp_data(np, batches_per_epoch):
+    """Generated inputs and regression targets for the 25M MLP."""
+    rng = np.random.default_rng(0)
+    count = batches_per_epoch * BATCH_SIZE
+    x = rng.normal(size=(count, MLP_WIDTHS[0])).astype("float32")
+    y = rng.normal(size=(count, MLP_WIDTHS[-1])).astype("float32")
+    return x, y
+
+
+def mlp_model(keras):
+    """Dense 1024 -> 4096 -> 4096 -> 1024; returns `(inputs, outputs, loss)`."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((MLP_WIDTHS[0],))
+    h = inputs
+    for width in MLP_WIDTHS[1:-1]:
+        h = keras.layers.Dense(width, activation="relu")(h)
+    outputs = keras.layers.Dense(MLP_WIDTHS[-1])(h)
+    return inputs, outputs, "mse"
+
+
+def run_model(tf, keras, keras_dist, np, name, args, strategy, timer):
+    if name == "digits":
+        (x, y), build, epochs, rounds = (
+            digits_data(np),
+            digits_model,
+            args.digits_epochs,
+            args.digits_rounds,
+        )
+    else:
+        (x, y), build, epochs, rounds = (
+            mlp_data(np, args.mlp_batches_per_epoch),
+            mlp_model,
+            args.mlp_epochs,
+            args.mlp_rounds,
+        )
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .batch(BATCH_SIZE, drop_remainder=True)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    batches_per_epoch = len(x) // BATCH_SIZE
+    with strategy.scope():
+        inputs, outputs, loss = build(keras)
+        model = keras_dist.DistributedModel(
+            inputs, outputs, all_reduce_hook=keras_dist.compression.FP16()
+        )
+        model.compile(
+            optimizer=keras_dist.GradientAccumulationOptimizer(
+                keras.optimizers.Adam(1e-3), accumulation_steps=ACCUMULATION_STEPS
+            ),
+            loss=loss,
+        )
+    callback_class = timed_callback_class(keras_dist)
+
+    def fit(save_freq, folder, steps=None):
+        callbacks = []
+        if save_freq is not None:
+            callbacks.append(
+                callback_class(folder, save_freq=save_freq, delete_checkpoint=True)
+            )
+        start = time.perf_counter()
+        model.fit(
+            dataset.take(steps) if steps else dataset,
+            epochs=1 if steps else epochs,
+            verbose=0,
+            callbacks=callbacks,
+        )
+        return time.perf_counter() - start, callbacks
+
+    # Warm-up: the first fit traces the train function; a fit with saves
+    # after it makes the first timed save no different from the others.
+    with tempfile.TemporaryDirectory(dir=args.tmp_dir) as folder:
+        fit(None, folder, WARMUP_BATCHES)
+        fit(1, os.path.join(folder, "backup"), WARMUP_BATCHES)
+    timer.take()
+
+    configurations = [None, *args.save_freqs]
+    runs = []
+    for round_index in range(rounds):
+        order = configurations if round_index % 2 == 0 else configurations[::-1]
+        for save_freq in order:
+            with tempfile.TemporaryDirectory(dir=args.tmp_dir) as folder:
+                seconds, callbacks = fit(save_freq, os.path.join(folder, "backup"))
+            saves, cleanup = timer.take()
+            whole = callbacks[0].save_seconds if callbacks else []
+            for record, total in zip(saves, whole):
+                record["save_s"] = total
+            runs.append(
+                {
+                    "round": round_index,
+                    "configuration": label(save_freq),
+                    "save_freq": save_freq,
+                    "batches": epochs * batches_per_epoch,
+                    "fit_s": seconds,
+                    "cleanup_s": cleanup,
+                    "saves": saves,
+                }
+            )
+            print(
+                f"  [{name}] round {round_index + 1}/{rounds} {label(save_freq)}: "
+                f"{seconds * 1e3 / (epochs * batches_per_epoch):.1f} ms/batch, "
+                f"{len(saves)} saves",
+                file=sys.stderr,
+            )
+    return {
+        "parameters": model.count_params(),
+        "examples": len(x),
+        "batches_per_epoch": batches_per_epoch,
+        "epochs": epochs,
+        "rounds": rounds,
+        "runs": runs,
+    }
+
+
+def summarize(results):
+    rows = []
+    for name, result in results.items():
+        by_configuration = {}
+        for run in result["runs"]:
+            by_configuration.setdefault(run["configuration"], []).append(run)
+        baseline = statistics.median(
+            run["fit_s"] / run["batches"] for run in by_configuration[NO_CALLBACK]
+        )
+        # The run without the callback in the same round: the machine's load
+        # changes between rounds more than within one.
+        baseline_of_round = {
+            run["round"]: run["fit_s"] / run["batches"]
+            for run in by_configuration[NO_CALLBACK]
+        }
+        for configuration, runs in by_configuration.items():
+            step = statistics.median(run["fit_s"] / run["batches"] for run in runs)
+            saves = [save for run in runs for save in run["saves"]]
+            saves_per_run = sorted({len(run["saves"]) for run in runs})
+
+            def median_ms(key, saves=saves):
+                return statistics.median(s[key] for s in saves) * 1e3 if saves else None
+
+            in_saves = statistics.median(
+                sum(s["save_s"] for s in run["saves"]) / run["fit_s"] for run in runs
+            )
+            rows.append(
+                {
+                    "model": name,
+                    "parameters": result["parameters"],
+                    "configuration": configuration,
+                    "runs": len(runs),
+                    "batches_per_run": runs[0]["batches"],
+                    "saves_per_run": saves_per_run,
+                    "step_ms": step * 1e3,
+                    "ratio": step / baseline,
+                    "paired_ratio": statistics.median(
+                        run["fit_s"] / run["batches"] / baseline_of_round[run["round"]]
+                        for run in runs
+                    ),
+                    "gather_ms": median_ms("gather_s"),
+                    "write_ms": median_ms("write_s"),
+                    "save_ms": median_ms("save_s"),
+                    "backup_mb": saves[0]["state_bytes"] / 1e6 if saves else None,
+                    "share_in_saves": in_saves,
+                    "cleanup_ms": statistics.median(run["cleanup_s"] for run in runs)
+                    * 1e3,
+                }
+            )
+    return rows
+
+
+def markdown_table(rows):
+    def number(value, digits=1):
+        return "" if value is None else f"{value:,.{digits}f}"
+
+    lines = [
+        "| model | configuration | batches per run | saves per run | ms/batch "
+        "(median) | ratio to none | paired ratio | gather ms | write ms | "
+        "whole save ms | backup MB | share of fit time in saves |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['model']} | {row['configuration']} | {row['batches_per_run']} | "
+            f"{', '.join(map(str, row['saves_per_run']))} | "
+            f"{number(row['step_ms'])} | {row['ratio']:.2f} | "
+            f"{row['paired_ratio']:.2f} | "
+            f"{number(row['gather_ms'])} | {number(row['write_ms'])} | "
+            f"{number(row['save_ms'])} | {number(row['backup_mb'])} | "
+            f"{row['share_in_saves']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    plt = pyplot()
+    if plt is None:
+        return None
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    figure, axes = plt.subplots(
+        1, len(models), figsize=(5.2 * len(models), 4.2), squeeze=False
+    )
+    for axis, name in zip(axes[0], models):
+        model_rows = [row for row in rows if row["model"] == name]
+        labels = [
+            row["configuration"].replace("save_freq=", "save_freq=\n")
+            + "\n"
+            + "/".join(map(str, row["saves_per_run"]))
+            + " saves"
+            for row in model_rows
+        ]
+        steps = [row["step_ms"] for row in model_rows]
+        in_saves = [row["step_ms"] * row["share_in_saves"] for row in model_rows]
+        rest = [s - k for s, k in zip(steps, in_saves)]
+        positions = range(len(model_rows))
+        axis.bar(positions, rest, color="tab:blue", label="training")
+        axis.bar(
+            positions,
+            in_saves,
+            bottom=rest,
+            color="tab:orange",
+            hatch="//",
+            label="inside saves (timed)",
+        )
+        for position, row in zip(positions, model_rows):
+            axis.text(
+                position,
+                row["step_ms"],
+                f"{row['ratio']:.2f}x",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        axis.axhline(model_rows[0]["step_ms"], color="black", linewidth=0.8, ls="--")
+        axis.set_xticks(list(positions), labels, fontsize=8)
+        axis.set_ylabel("ms per batch (median over rounds)")
+        params = model_rows[0]["parameters"]
+        axis.set_title(f"{name} ({params / 1e6:.2f}M parameters)")
+        axis.grid(axis="y", alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(
+        "BackupAndRestore: time per batch, ratio to no callback on top "
+        "(2 logical CPU replicas)",
+        fontsize=10,
+    )
+    return save_figure(figure, path)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    tf, keras, keras_dist = import_stack(NUM_LOGICAL_CPUS)
+    import numpy as np
+
+    from keras_dist import _backup
+
+    clock = RunClock()
+    timer = SaveTimer(_backup)
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    strategy = tf.distribute.MirroredStrategy(devices)
+    results = {}
+    for name in args.models:
+        results[name] = run_model(
+            tf, keras, keras_dist, np, name, args, strategy, timer
+        )
+    rows = summarize(results)
+    print(markdown_table(rows))
+    report = {
+        "command": command(),
+        "environment": clock.environment(
+            versions(tf, keras, keras_dist),
+            logical_cpu_devices=NUM_LOGICAL_CPUS,
+            nice=os.nice(0),
+        ),
+        "setup": {
+            "strategy": f"MirroredStrategy over {NUM_LOGICAL_CPUS} logical CPUs",
+            "global_batch_size": BATCH_SIZE,
+            "optimizer": (
+                f"GradientAccumulationOptimizer(Adam(1e-3), "
+                f"accumulation_steps={ACCUMULATION_STEPS})"
+            ),
+            "all_reduce_hook": "FP16()",
+            "callback": "BackupAndRestore(tmp_dir, save_freq, delete_checkpoint=True)",
+            "save_freqs": args.save_freqs,
+            "digits_model": "Conv2D(32)-Conv2D(64)-MaxPool-Dense(128)-Dense(10)",
+            "mlp25m_model": "Dense " + " -> ".join(map(str, MLP_WIDTHS)) + ", MSE",
+            "tmp_dir": args.tmp_dir or tempfile.gettempdir(),
+        },
+        "results": results,
+        "summary": rows,
+        "plot": plot(rows, plot_path(args.out)),
+    }
+    write_report(args.out, report)
+
+
+if __name__ == "__main__":
+    main()
