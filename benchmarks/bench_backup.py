@@ -18,7 +18,8 @@ order every other round, so drifts of a shared machine hit all alike. Two
 measures:
 
 - step time: the wall time of `fit` divided by its batches; the median over
-  rounds, and its ratio to the median without the callback;
+  rounds, its ratio to the median without the callback, and the median of
+  each run's ratio to the run without the callback in the same round;
 - time per save: `keras_dist._backup.read_values` (the gather of every
   variable's value, per-replica ones from each replica) and
   `keras_dist._backup.write` (state.npz and manifest.json, fsync'd, then
