@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -340,6 +339,14 @@ def _write_file(path: str, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
+def _sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def backup_names(backup_dir: str) -> list[str]:
     """Complete-looking backup folders, newest first."""
     try:
@@ -357,11 +364,14 @@ def write(backup_dir: str, values: list[np.ndarray], manifest: dict) -> str:
     name = f"backup-{number:08d}"
     partial = os.path.join(backup_dir, f".partial-{uuid.uuid4().hex}")
     os.makedirs(partial)
-    buffer = io.BytesIO()
-    np.savez(buffer, **{f"v{index}": value for index, value in enumerate(values)})
-    state = buffer.getvalue()
-    _write_file(os.path.join(partial, STATE_FILE), state)
-    manifest = dict(manifest, sha256=hashlib.sha256(state).hexdigest())
+    state_path = os.path.join(partial, STATE_FILE)
+    # Straight to the file: a second copy of a large model's state in memory
+    # would be the peak of the whole save.
+    with open(state_path, "wb") as handle:
+        np.savez(handle, **{f"v{index}": value for index, value in enumerate(values)})
+        handle.flush()
+        os.fsync(handle.fileno())
+    manifest = dict(manifest, sha256=_sha256_of(state_path))
     _write_file(
         os.path.join(partial, MANIFEST_FILE),
         json.dumps(manifest, indent=1).encode(),
@@ -394,11 +404,11 @@ def prune(backup_dir: str, keep: str) -> None:
 
 def _read_one(path: str) -> tuple[dict, list[np.ndarray]]:
     """Reads and verifies one backup folder; raises `BackupError` if unusable."""
+    state_path = os.path.join(path, STATE_FILE)
     try:
         with open(os.path.join(path, MANIFEST_FILE), "rb") as handle:
             manifest = json.loads(handle.read())
-        with open(os.path.join(path, STATE_FILE), "rb") as handle:
-            state = handle.read()
+        digest = _sha256_of(state_path)
     except (OSError, ValueError) as error:
         raise BackupError(f"{path} is incomplete or unreadable: {error}") from error
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
@@ -407,10 +417,10 @@ def _read_one(path: str) -> tuple[dict, list[np.ndarray]]:
             f"{FORMAT_VERSION} (found {manifest.get('format')!r} version "
             f"{manifest.get('version')!r})."
         )
-    if hashlib.sha256(state).hexdigest() != manifest.get("sha256"):
+    if digest != manifest.get("sha256"):
         raise BackupError(f"{path}/{STATE_FILE} is corrupt (its sha256 differs).")
     try:
-        with np.load(io.BytesIO(state)) as archive:
+        with np.load(state_path) as archive:
             values = [archive[f"v{i}"] for i in range(len(manifest["variables"]))]
     except (OSError, ValueError, KeyError) as error:
         raise BackupError(f"{path}/{STATE_FILE} is unreadable: {error}") from error
