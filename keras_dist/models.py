@@ -1,4 +1,8 @@
-"""`DistributedModel`: a `keras.Model` whose training is correct under any strategy."""
+"""`DistributedModel`: a `keras.Model` whose training works under a strategy.
+
+Tested under the default strategy, `OneDeviceStrategy`, `MirroredStrategy`
+and `MultiWorkerMirroredStrategy`; `ParameterServerStrategy` is refused.
+"""
 
 from __future__ import annotations
 
