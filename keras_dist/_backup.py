@@ -162,7 +162,12 @@ def local_replicas(strategy) -> int:
         return 1
 
 
-def _worker_layout(strategy) -> tuple[int, int]:
+def count_workers(strategy) -> int:
+    """Worker processes of `strategy` (1 unless multi-worker)."""
+    return strategy.num_replicas_in_sync // local_replicas(strategy)
+
+
+def worker_layout(strategy) -> tuple[int, int]:
     """Returns (first global replica id of this worker, local replicas)."""
     local = local_replicas(strategy)
     resolver = getattr(strategy, "cluster_resolver", None)
@@ -188,16 +193,17 @@ def read_values(items: list[Item], strategy) -> list[np.ndarray]:
             values[index] = np.asarray(keras.ops.convert_to_numpy(item.variable))
     if local_parts:
         for index, stacked in zip(
-            (i for i, _ in local_parts), _gather([p for _, p in local_parts], strategy)
+            (i for i, _ in local_parts),
+            gather_per_replica([p for _, p in local_parts], strategy),
         ):
             values[index] = stacked
     return values
 
 
-def _gather(parts: list[list[np.ndarray]], strategy) -> list[np.ndarray]:
+def gather_per_replica(parts: list[list[np.ndarray]], strategy) -> list[np.ndarray]:
     """All-gathers per-replica arrays: returns one `[replicas, ...]` each."""
     replicas = strategy.num_replicas_in_sync
-    base, local = _worker_layout(strategy)
+    base, local = worker_layout(strategy)
     if replicas == local:
         return [np.stack(arrays) for arrays in parts]
     # One collective for everything: each replica's arrays as bytes, padded
@@ -232,9 +238,14 @@ def _gather(parts: list[list[np.ndarray]], strategy) -> list[np.ndarray]:
 
 
 def assign_values(items: list[Item], values: list[np.ndarray], strategy) -> None:
-    """Gives every item its saved value; each replica its own copy."""
-    base, _ = _worker_layout(strategy)
+    """Gives every item its saved value; each replica its own copy.
+
+    An item whose value is `None` is left as it is.
+    """
+    base, _ = worker_layout(strategy)
     for item, value in zip(items, values):
+        if value is None:
+            continue
         if item.per_replica:
             components = strategy.experimental_local_results(item.tf_variable)
             for offset, component in enumerate(components):
@@ -280,8 +291,7 @@ def expected_entries(items: list[Item], replicas: int) -> list[dict]:
 def check_compatible(manifest: dict, items: list[Item], strategy, where: str) -> None:
     """Raises `BackupError` unless the backup was written by this setup."""
     replicas = strategy.num_replicas_in_sync
-    _base, local = _worker_layout(strategy)
-    workers = replicas // local
+    workers = count_workers(strategy)
     if manifest["replicas"] != replicas or manifest["workers"] != workers:
         raise BackupError(
             f"The backup in {where} was written by {manifest['workers']} "

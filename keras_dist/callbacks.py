@@ -622,6 +622,9 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         fit.multiplier = None
         if multiplier is not None:
             self._apply_multiplier(multiplier)
+        # What this callback's `on_epoch_end` does after a backup written at
+        # the end of an epoch: realign the counters with the optimizer.
+        self._resync()
 
     # --- Learning rate -----------------------------------------------------------
 
@@ -798,31 +801,42 @@ def _has_float_learning_rate(optimizer):
 
 @dataclasses.dataclass
 class _Resume:
-    """Where a resumed `fit` goes on, read from the backup.
+    """A backup `fit` resumes from: its folder, manifest and values.
 
     Attributes:
-        epoch: Int. The epoch to resume in.
-        calls: Int. Calls of the train function already done in that epoch
-            (each runs `steps_per_execution` batches): `fit` calls the
-            callbacks for them again, but the train function only returns
-            the backup's logs.
-        position: Int. Batches the input iterator had handed out when the
-            backup was written; a fresh iterator skips as many.
-        logs: Dict. The logs of the last step before the backup.
         path: String. The backup's folder.
         manifest: Dict. Its manifest.
         values: List of arrays. Its variable values.
+        restored: Bool. Whether the values were assigned (at the first batch).
     """
 
-    epoch: int
-    calls: int
-    position: int
-    logs: dict
     path: str
     manifest: dict
     values: list
-    # Set once the variables are assigned (at the first batch).
     restored: bool = False
+
+    @property
+    def epoch(self) -> int:
+        """The epoch to resume in."""
+        return self.manifest["epoch"]
+
+    @property
+    def calls(self) -> int:
+        """Calls of the train function already done in that epoch (each runs
+        `steps_per_execution` batches): `fit` calls the callbacks for them
+        again, but the train function only returns the backup's logs."""
+        return self.manifest["calls"]
+
+    @property
+    def position(self) -> int:
+        """Batches the input iterator had handed out when the backup was
+        written; a fresh iterator skips as many."""
+        return self.manifest["position"]
+
+    @property
+    def logs(self) -> dict:
+        """The logs of the last step before the backup."""
+        return self.manifest["logs"]
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -982,15 +996,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                     f"steps_per_execution={model.steps_per_execution}. Compile "
                     "with the same value to resume."
                 )
-            self._resume = _Resume(
-                epoch=manifest["epoch"],
-                calls=manifest["calls"],
-                position=manifest["position"],
-                logs=manifest["logs"],
-                path=path,
-                manifest=manifest,
-                values=values,
-            )
+            self._resume = _Resume(path=path, manifest=manifest, values=values)
             _compat.set_initial_epoch(model, self._resume.epoch)
             _set_replay(model, self._resume.epoch, self._resume.calls * self._spx)
             # What the backup holds must exist before the first step.
@@ -1001,9 +1007,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._install_sigterm_handler()
 
     def on_epoch_begin(self, epoch, logs=None):
-        # An end-of-epoch backup is written here: after every callback's
-        # `on_epoch_end`, and after `fit` reset the metrics for this epoch.
-        self._flush()
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -1035,7 +1038,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.model.train_function = self._train_function
             self._train_function = None
         if self.save_freq == "epoch":
+            # Written now, before the next epoch starts. The metrics' sums
+            # of this epoch are not restored into the next (see `_restore`),
+            # and AutoScaleBatch realigns with the optimizer on restore.
             self._request_save(epoch + 1, 0, logs)
+            self._flush()
 
     def on_train_end(self, logs=None):
         if self._pending is not None and (
@@ -1111,7 +1118,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "position": int(position),
             "steps_per_execution": self._spx,
             "replicas": replicas,
-            "workers": _workers(self._strategy),
+            "workers": _backup.count_workers(self._strategy),
             "logs": logs,
             "callbacks": _provider_states(model),
             "variables": _backup.describe(items, values),
@@ -1130,7 +1137,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         items = _backup.inventory(model)
         _backup.check_compatible(resume.manifest, items, self._strategy, resume.path)
         _check_same_backup_everywhere(self._strategy, resume)
-        _backup.assign_values(items, resume.values, self._strategy)
+        values = resume.values
+        if resume.calls == 0:
+            # Resumed at the start of an epoch: `fit` has just reset the
+            # metrics; the backup's sums belong to the epoch before.
+            values = [
+                None if item.name.startswith("metrics/") else value
+                for item, value in zip(items, values)
+            ]
+        _backup.assign_values(items, values, self._strategy)
         _restore_provider_states(model, resume.manifest.get("callbacks", {}))
         resume.restored = True
         logger.warning(
@@ -1180,7 +1195,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _agree_on_preemption(self) -> bool:
         """Whether any worker received SIGTERM (a collective on several workers)."""
-        if _workers(self._strategy) == 1:
+        if _backup.count_workers(self._strategy) == 1:
             return self._preempted
         flag = 1.0 if self._preempted else 0.0
         value = self._strategy.experimental_distribute_values_from_function(
@@ -1209,10 +1224,6 @@ def _build_training_state(model) -> None:
     if optimizer is not None and not optimizer.built:
         with model.distribute_strategy.scope():
             optimizer.build(model.trainable_variables)
-
-
-def _workers(strategy) -> int:
-    return strategy.num_replicas_in_sync // _backup.local_replicas(strategy)
 
 
 def _version() -> str:
@@ -1286,12 +1297,12 @@ def _is_replayed(model, batch) -> bool:
 
 def _check_same_backup_everywhere(strategy, resume: _Resume) -> None:
     """Every worker must resume from the same backup (a shared folder)."""
-    if _workers(strategy) == 1:
+    if _backup.count_workers(strategy) == 1:
         return
     digest = int(resume.manifest["sha256"][:12], 16)
     mine = np.array([digest, resume.epoch, resume.calls], dtype=np.int64)
-    _, local = _backup._worker_layout(strategy)
-    gathered = _backup._gather([[mine] * local], strategy)[0]
+    _, local = _backup.worker_layout(strategy)
+    gathered = _backup.gather_per_replica([[mine] * local], strategy)[0]
     if not (gathered == gathered[0]).all():
         raise _backup.BackupError(
             "The workers found different backups in `backup_dir` (is it on "
@@ -1364,7 +1375,7 @@ def _fit_callbacks(model, callbacks):
     others = [c for c in callbacks if not isinstance(c, BackupAndRestore)]
     cleanups = [callback._end_fit for callback in ours]
     strategy = model.distribute_strategy
-    if _workers(strategy) > 1 and not strategy.extended.should_checkpoint:
+    if _backup.count_workers(strategy) > 1 and not strategy.extended.should_checkpoint:
         redirected = []
         for callback in others:
             redirected.append(callback)

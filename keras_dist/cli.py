@@ -22,6 +22,7 @@ This module imports TensorFlow only inside the commands that need it (`env`,
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import sys
@@ -241,18 +242,22 @@ def launch(
         base_env.setdefault(
             COLLECTIVE_TIMEOUT_ENV_VAR, f"{DEFAULT_COLLECTIVE_TIMEOUT:g}"
         )
+    launch_attempt = functools.partial(
+        _launch_once,
+        command,
+        workers,
+        ps,
+        chief,
+        host,
+        grace_period,
+        base_env,
+        out,
+        err,
+    )
     attempt = 0
     while True:
         failure: list = []
-        status = _launch_once(
-            command,
-            (workers, ps, chief, host),
-            grace_period,
-            base_env,
-            attempt,
-            (out, err),
-            failure,
-        )
+        status = launch_attempt(attempt, failure)
         # Only a task's failure is worth a restart: not a launcher that was
         # interrupted or stopped, nor a command that could not start.
         if status == 0 or not failure or attempt >= max_restarts:
@@ -264,7 +269,7 @@ def launch(
                 )
             return status
         attempt += 1
-        name, code = failure[0] if failure else ("a task", status)
+        name, code = failure[0]
         how = (
             "was preempted (status 75, after writing its backup)"
             if code == _process.EXIT_PREEMPTED
@@ -278,15 +283,22 @@ def launch(
 
 
 def _launch_once(
-    command, layout, grace_period, base_env, attempt, streams, failure
+    command,
+    workers,
+    ps,
+    chief,
+    host,
+    grace_period,
+    base_env,
+    out,
+    err,
+    attempt,
+    failure,
 ) -> int:
     """Starts every task of one attempt and supervises them to the end.
 
-    `layout` is `(workers, ps, chief, host)`, `streams` `(out, err)`; the
-    failed task's `(name, returncode)` is appended to `failure`.
+    The failed task's `(name, returncode)` is appended to `failure`.
     """
-    workers, ps, chief, host = layout
-    out, err = streams
     try:
         spec = cluster_lib.local_cluster(workers=workers, ps=ps, chief=chief, host=host)
     except OSError as error:
