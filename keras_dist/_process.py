@@ -283,6 +283,8 @@ def run_tasks(
     grace_period: float,
     coordinator: str | None = None,
     failure: list | None = None,
+    replaceable: Sequence[str] = (),
+    restarts: int = 0,
 ) -> int:
     """Starts every task, streams its prefixed output, and supervises them.
 
@@ -301,6 +303,13 @@ def run_tasks(
             the job. Defaults to `None`.
         failure: List or `None`. When given, the `(name, returncode)` of the
             task that failed is appended to it. Defaults to `None`.
+        replaceable: Names of tasks the job survives losing (the workers of a
+            parameter-server job, whose steps the coordinator retries on the
+            others): such a task that fails is started again in place while
+            `restarts` last, else the job goes on without it, until none of
+            them is left. Defaults to none.
+        restarts: Int. How many in-place restarts of `replaceable` tasks the
+            job may use in all. Defaults to `0`.
 
     Returns:
         `0` on success; else the exit status of the first task that failed,
@@ -323,7 +332,22 @@ def run_tasks(
             task = Task(spec, process)
             tasks.append(task)
             task.reader = output.follow(task)
-        return _supervise(tasks, say, coordinator, failure)
+
+        def restart(task: Task) -> Task:
+            new = Task(task.spec, start(task.spec.command, task.spec.env))
+            new.reader = output.follow(new)
+            tasks.append(new)
+            return new
+
+        return _supervise(
+            tasks,
+            say,
+            coordinator,
+            failure,
+            replaceable=set(replaceable),
+            restarts=restarts,
+            restart=restart,
+        )
     except KeyboardInterrupt:
         say("interrupted; stopping all tasks.")
         return EXIT_INTERRUPTED
@@ -340,7 +364,15 @@ def run_tasks(
         _restore_sigterm_handler(previous_sigterm)
 
 
-def _supervise(tasks: list[Task], say, coordinator: str | None, failure=None) -> int:
+def _supervise(
+    tasks: list[Task],
+    say,
+    coordinator: str | None,
+    failure=None,
+    replaceable=frozenset(),
+    restarts=0,
+    restart=None,
+) -> int:
     """Waits for the tasks that do not serve; returns the exit status."""
     pending = [task for task in tasks if not task.spec.serves]
     servers = [task for task in tasks if task.spec.serves]
@@ -362,6 +394,28 @@ def _supervise(tasks: list[Task], say, coordinator: str | None, failure=None) ->
             )
             return exit_status(code) or 1
         pending.remove(task)
+        if code != 0 and task.name in replaceable:
+            if restarts > 0 and restart is not None:
+                restarts -= 1
+                pending.append(restart(task))
+                say(
+                    f"task {task.name} failed with {describe_exit(code)}; "
+                    "started it again in place (the coordinator retries its "
+                    f"steps); {restarts} restart(s) left."
+                )
+                continue
+            left = [other.name for other in pending if other.name in replaceable]
+            if left:
+                say(
+                    f"task {task.name} failed with {describe_exit(code)}; the "
+                    f"coordinator retries its steps on {', '.join(left)}."
+                )
+                continue
+            say(
+                f"task {task.name} failed with {describe_exit(code)} and no "
+                "worker is left; stopping the other tasks."
+            )
+            return exit_status(code)
         if code != 0:
             note = ""
             if finished_early:

@@ -143,14 +143,19 @@ def launch(
     `stdout` goes away (`keras-dist launch ... | head`), the output is dropped
     and the tasks run on. Parameter-server tasks do
     not run `command`: each runs a TensorFlow gRPC server until the training
-    tasks are done, and is then stopped. With parameter servers and a chief,
-    the chief is the `ParameterServerStrategy` coordinator: when it exits
-    with status 0 the job is done, and workers still running (serving with
-    `tf.distribute.Server(...).join()`, which never returns) are stopped.
+    tasks are done, and is then stopped (the same server that
+    `keras_dist.auto_strategy()` starts on a `ps` task where a cluster runs
+    the script on every task). With parameter servers and a chief, the chief
+    is the `ParameterServerStrategy` coordinator: when it exits with status
+    0 the job is done, and workers still running (serving in
+    `auto_strategy()`, which never returns there) are stopped.
 
     The first training task that fails stops all the others (SIGTERM, then
     SIGKILL after `grace_period` seconds). A parameter server that exits while
-    training tasks still run is a failure too. Every task runs in its own
+    training tasks still run is a failure too. Under parameter servers a
+    worker is not: the coordinator retries its steps on the other workers,
+    and the job goes on while one worker is left (or, with `max_restarts`,
+    the failed worker is started again in place). Every task runs in its own
     process group, so whatever it starts is stopped with it.
 
     With `max_restarts > 0`, a failed job is started again, whole (a
@@ -175,7 +180,9 @@ def launch(
         grace_period: Float. Seconds between SIGTERM and SIGKILL when tasks
             are stopped. Defaults to `5.0`.
         max_restarts: Int >= 0. How many times a failed job is started
-            again. Not supported with parameter servers yet. Defaults to `0`.
+            again. With parameter servers and a chief: how many times in all
+            a failed worker is started again in place (the chief and the
+            ps tasks are not restarted). Defaults to `0`.
         collective_timeout: Float or `None`. Seconds a collective may wait
             for a peer before it fails, given to the tasks as
             `KERAS_DIST_COLLECTIVE_TIMEOUT` (read by
@@ -226,13 +233,18 @@ def launch(
         allow_none=True,
         hint="It is in seconds.",
     )
-    if max_restarts and ps:
+    coordinated = bool(ps and chief)
+    if max_restarts and ps and not chief:
         raise ValueError(
-            "`max_restarts` is not supported with parameter servers yet (the "
-            "coordinator would have to keep running while one worker is "
-            f"replaced). Received: max_restarts={max_restarts}, ps={ps}. "
-            "Restart the job from outside, or use workers only."
+            "`max_restarts` with parameter servers needs `chief=True` (the "
+            "chief coordinates; a failed worker is restarted in place while "
+            f"it runs). Received: max_restarts={max_restarts}, ps={ps}, "
+            "chief=False."
         )
+    # With a coordinator, a failed worker is restarted in place and the job
+    # goes on; a MultiWorkerMirroredStrategy job restarts whole.
+    worker_restarts = max_restarts if coordinated else 0
+    max_restarts = 0 if coordinated else max_restarts
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     base_env = dict(os.environ if environ is None else environ)
@@ -253,6 +265,7 @@ def launch(
         base_env,
         out,
         err,
+        worker_restarts,
     )
     attempt = 0
     while True:
@@ -292,6 +305,7 @@ def _launch_once(
     base_env,
     out,
     err,
+    worker_restarts,
     attempt,
     failure,
 ) -> int:
@@ -325,13 +339,20 @@ def _launch_once(
             )
     # With parameter servers the chief is the coordinator: the job is done
     # when it is, and the workers, which only serve, are stopped then.
+    coordinated = bool(ps and chief)
     return _process.run_tasks(
         specs,
         out,
         lambda message: _say(err, message),
         grace_period,
-        coordinator="chief:0" if ps and chief else None,
+        coordinator="chief:0" if coordinated else None,
         failure=failure,
+        # A parameter-server job survives its workers: the coordinator
+        # retries a lost worker's steps on the others.
+        replaceable=[s.name for s in specs if s.name.startswith("worker:")]
+        if coordinated
+        else (),
+        restarts=worker_restarts,
     )
 
 
@@ -421,7 +442,9 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=(
             "start the whole job again when a task fails, up to N times; "
-            "tasks find the attempt number in KERAS_DIST_RESTART (default: 0)"
+            "tasks find the attempt number in KERAS_DIST_RESTART; with --ps "
+            "and --chief: restart a failed worker in place, up to N times in "
+            "all (default: 0)"
         ),
     )
     launch_parser.add_argument(

@@ -1,11 +1,14 @@
 """`DistributedModel`: a `keras.Model` whose training works under a strategy.
 
-Tested under the default strategy, `OneDeviceStrategy`, `MirroredStrategy`
-and `MultiWorkerMirroredStrategy`; `ParameterServerStrategy` is refused.
+Tested under the default strategy, `OneDeviceStrategy`, `MirroredStrategy`,
+`MultiWorkerMirroredStrategy` and `ParameterServerStrategy` (asynchronous
+`fit`/`evaluate`/`predict` through a `ClusterCoordinator`,
+`_parameter_server.py`).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 import weakref
@@ -13,14 +16,19 @@ import weakref
 import keras
 import tensorflow as tf
 
-from keras_dist import _aggregation, _compat, _fit_data, _validation
+from keras_dist import (
+    _aggregation,
+    _compat,
+    _fit_data,
+    _parameter_server,
+    _validation,
+)
 from keras_dist.compression.base import AllReduceHook, NoCompression
 from keras_dist.optimizers import GradientAccumulationOptimizer, find_accumulator
 
 logger = logging.getLogger(__name__)
 
 _HOOK_STATE_PREFIX = "all_reduce_hook_state_"
-_UNSUPPORTED_STRATEGIES = (tf.distribute.experimental.ParameterServerStrategy,)
 
 
 class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
@@ -78,6 +86,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
             )
         self._set_hook(_aggregation.check_hook(hook, argument="hook"))
         self.train_function = None
+        _parameter_server.reset_functions(self)
 
     # --- Training step ------------------------------------------------------
 
@@ -102,7 +111,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
                 loss = self.optimizer.scale_loss(loss)
         if self.trainable_weights:
             trainable_weights = self.trainable_weights
-            gradients = tape.gradient(loss, trainable_weights)
+            gradients = _gradients(tape, loss, trainable_weights)
             self.apply_gradients(gradients, trainable_weights, batch_size=batch_size)
         else:
             warnings.warn(
@@ -288,6 +297,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
                 )
             auto_scale_loss = False
         super().compile(optimizer, *args, auto_scale_loss=auto_scale_loss, **kwargs)
+        _parameter_server.reset_functions(self)
 
     def build_all_reduce_hook(self) -> None:
         """Builds the hook's state and the optimizer for the trainable variables.
@@ -320,10 +330,39 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
 
     # --- Distributed train / test functions ---------------------------------
 
+    @property
+    def cluster_coordinator(self) -> tf.distribute.coordinator.ClusterCoordinator:
+        """The `ClusterCoordinator` that `fit` uses under parameter servers.
+
+        The one TensorFlow keeps for the model's `ParameterServerStrategy`;
+        schedule your own functions with it (`schedule`, `join`,
+        `create_per_worker_dataset`).
+
+        Raises:
+            RuntimeError: the model was not created under a
+                `ParameterServerStrategy` scope.
+        """
+        strategy = self.distribute_strategy
+        if not _parameter_server.is_parameter_server(strategy):
+            raise RuntimeError(
+                "`cluster_coordinator` exists only under ParameterServerStrategy. "
+                f"Received: a model created under {type(strategy).__name__}. "
+                "Create and compile the model inside "
+                "`ParameterServerStrategy(...).scope()`."
+            )
+        return _parameter_server.coordinator(strategy)
+
     def fit(self, *args, **kwargs):
         from keras_dist import callbacks as callbacks_lib
 
         self._check_strategy()
+        if _parameter_server.is_parameter_server(self.distribute_strategy):
+            values = _compat.bind_fit_arguments(self, args, kwargs)
+            self._keras_dist_fitting = True
+            try:
+                return _parameter_server.fit(self, **values)
+            finally:
+                self._keras_dist_fitting = False
         # With an AutoScaleBatch callback, numpy arrays and unbatched datasets
         # are batched at its per_replica_batch_size x num_replicas_in_sync.
         args, kwargs = _fit_data.prepare_fit_arguments(self, args, kwargs)
@@ -347,12 +386,22 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
 
     def evaluate(self, *args, **kwargs):
         self._check_strategy()
+        if _parameter_server.is_parameter_server(self.distribute_strategy):
+            values = _bind(keras.Model.evaluate, args, kwargs)
+            return _parameter_server.evaluate(self, **values)
         return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        if _parameter_server.is_parameter_server(self.distribute_strategy):
+            values = _bind(keras.Model.predict, args, kwargs)
+            return _parameter_server.predict(self, **values)
+        return super().predict(*args, **kwargs)
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
         self._check_strategy()
+        self._check_stepwise()
         if tf.distribute.has_strategy() or _compat.model_strategy(self) is not None:
             # Under a strategy, `fit` built the layers from the first batch
             # (`_maybe_symbolic_build`), and the hook and an accumulation
@@ -367,6 +416,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
         if self.test_function is not None and not force:
             return self.test_function
         self._check_strategy()
+        self._check_stepwise()
         self.test_function = self._make_distributed_function(self.test_step)
         return self.test_function
 
@@ -383,15 +433,17 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
                 'replicas. Compile with `jit_compile=False` (or `"auto"`, '
                 "which Keras turns off under a strategy)."
             )
-        if isinstance(strategy, _UNSUPPORTED_STRATEGIES):
-            raise TypeError(
-                "DistributedModel.fit/evaluate do not support "
-                f"{type(strategy).__name__} (Keras 3 has no parameter-server "
-                "fit either, keras#18624). Received: strategy="
-                f"{type(strategy).__name__}. Use MultiWorkerMirroredStrategy "
-                "(`keras_dist.auto_strategy()` picks it for a TF_CONFIG without "
-                "`ps` tasks), or drive the model from a "
-                "`tf.distribute.coordinator.ClusterCoordinator.schedule` loop."
+
+    def _check_stepwise(self):
+        """Refuses Keras's own train/test functions under parameter servers."""
+        if _parameter_server.is_parameter_server(self.distribute_strategy):
+            raise RuntimeError(
+                "Under ParameterServerStrategy a DistributedModel trains through "
+                "`fit`, `evaluate` and `predict`, which schedule the steps on the "
+                "workers; `train_on_batch`/`test_on_batch` and Keras's step "
+                "functions would run on the coordinator. Call `fit`, or "
+                "schedule your own `strategy.run(model.train_step, ...)` with "
+                "`model.cluster_coordinator`."
             )
 
     def _make_distributed_function(self, step_function):
@@ -867,6 +919,63 @@ def _describe_lost_peer(strategy, error) -> str | None:
         "job (`keras-dist launch --max-restarts N` does it) with "
         "`keras_dist.callbacks.BackupAndRestore` to resume from the last backup."
     )
+
+
+def _gradients(tape, loss, variables):
+    """`tape.gradient(loss, variables)`, also for partitioned variables.
+
+    A variable split across ps tasks (`variable_partitioner`) gets the
+    gradients of its shards joined along axis 0: an `IndexedSlices` when
+    every shard's is one (embeddings), else a dense tensor.
+    """
+    shards = [_compat.variable_shards(variable) for variable in variables]
+    if not any(shards):
+        return tape.gradient(loss, variables)
+    sources = [[v] if parts is None else parts for v, parts in zip(variables, shards)]
+    gradients = tape.gradient(loss, sources)
+    return [
+        grads[0] if parts is None else _join_shard_gradients(grads, parts)
+        for grads, parts in zip(gradients, shards)
+    ]
+
+
+def _join_shard_gradients(gradients, shards):
+    if all(gradient is None for gradient in gradients):
+        return None
+    if all(isinstance(gradient, tf.IndexedSlices) for gradient in gradients):
+        offsets, offset = [], 0
+        for shard in shards:
+            offsets.append(offset)
+            offset += int(shard.shape[0])
+        return tf.IndexedSlices(
+            values=tf.concat([g.values for g in gradients], axis=0),
+            indices=tf.concat(
+                [
+                    tf.cast(g.indices, tf.int64) + start
+                    for g, start in zip(gradients, offsets)
+                ],
+                axis=0,
+            ),
+            dense_shape=tf.constant([offset, *shards[0].shape[1:]], tf.int64),
+        )
+    return tf.concat(
+        [
+            tf.zeros(shard.shape, shard.dtype)
+            if gradient is None
+            else tf.convert_to_tensor(gradient)
+            for gradient, shard in zip(gradients, shards)
+        ],
+        axis=0,
+    )
+
+
+def _bind(method, args, kwargs) -> dict:
+    """`args`/`kwargs` of a call of Keras's `method`, by parameter name."""
+    bound = inspect.signature(method).bind(None, *args, **kwargs)
+    values = dict(bound.arguments)
+    values.pop("self")
+    values.update(values.pop("kwargs", {}))
+    return values
 
 
 def _functional_class(cls):

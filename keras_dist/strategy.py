@@ -195,6 +195,7 @@ def auto_strategy(
     communication_options: tf.distribute.experimental.CommunicationOptions
     | None = None,
     collective_timeout: float | None = None,
+    variable_partitioner=None,
 ) -> tf.distribute.Strategy:
     """Builds the `tf.distribute` strategy that fits this environment.
 
@@ -216,11 +217,13 @@ def auto_strategy(
     previous handler back (for most scripts: terminate), so SIGTERM ends
     the worker at once, even inside a collective.
 
-    `ParameterServerStrategy` is built only in the coordinator (the `chief`
-    task); `worker` and `ps` tasks must run a `tf.distribute.Server` instead.
-    Note that Keras 3 `Model.fit` does not support `ParameterServerStrategy`
-    (keras-team/keras#18624): train with a
-    `tf.distribute.coordinator.ClusterCoordinator` loop.
+    In a parameter-server cluster (`TF_CONFIG` with `ps` tasks) the `chief`
+    task gets a `ParameterServerStrategy` and is the coordinator; on a
+    `worker` or `ps` task `auto_strategy` starts that task's
+    `tf.distribute.Server` and serves until the job ends (the process is
+    stopped then), so one script runs on every task. Train with
+    `keras_dist.DistributedModel.fit` (Keras 3's own `Model.fit` does not
+    support the strategy, keras-team/keras#18624).
 
     Args:
         cpu_replicas: Int or `None`. When set, creates that many logical CPU
@@ -263,6 +266,14 @@ def auto_strategy(
             worker may spend outside collectives while the others wait (a
             validation pass, a backup, the first trace). Defaults to `None`.
 
+        variable_partitioner: A `tf.distribute.experimental.partitioners`
+            partitioner or `None`. How a `ParameterServerStrategy` splits
+            large variables across the ps tasks, e.g.
+            `MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=num_ps)`
+            for an embedding table larger than one machine; other
+            strategies do not use it (logged at INFO). Defaults to `None`
+            (no splitting).
+
     Returns:
         A `tf.distribute.Strategy`.
 
@@ -279,8 +290,7 @@ def auto_strategy(
             number, `cross_device_ops` not a `tf.distribute.CrossDeviceOps`
             or `communication_options` not a `CommunicationOptions`.
         RuntimeError: TensorFlow is already initialised with fewer logical
-            CPU devices than `cpu_replicas` (call `auto_strategy` first); this
-            process is a `worker` or `ps` task of a parameter-server cluster;
+            CPU devices than `cpu_replicas` (call `auto_strategy` first);
             a SLURM job was not started with `srun`; some task of the cluster
             did not answer within `startup_timeout` (the message names it and
             its address); or a configured TPU could not be reached.
@@ -311,6 +321,12 @@ def auto_strategy(
     choice = describe_choice(cpu_replicas=cpu_replicas)
     logger.info("auto_strategy chose %s: %s.", choice.name, choice.reason)
     _log_unused_options(choice, cross_device_ops, communication_options)
+    if variable_partitioner is not None and choice.name != "ParameterServerStrategy":
+        logger.info(
+            "auto_strategy: %s does not use variable_partitioner (it is for "
+            "ParameterServerStrategy).",
+            choice.name,
+        )
     communication_options = _with_collective_timeout(
         communication_options, collective_timeout
     )
@@ -319,7 +335,7 @@ def auto_strategy(
     if choice.name == "TPUStrategy":
         return _tpu_strategy(os.environ, _startup_timeout(startup_timeout))
     if choice.name == "ParameterServerStrategy":
-        return _parameter_server_strategy()
+        return _parameter_server_strategy(variable_partitioner)
     if choice.resolver == "SlurmClusterResolver":
         return _multi_worker(
             _slurm_resolver(os.environ),
@@ -651,27 +667,40 @@ def _tpu_strategy(env, startup_timeout: float) -> tf.distribute.Strategy:
     return tf.distribute.TPUStrategy(resolver)
 
 
-def _parameter_server_strategy() -> tf.distribute.Strategy:
+def _parameter_server_strategy(variable_partitioner) -> tf.distribute.Strategy:
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    if resolver.task_type != "chief":
-        raise RuntimeError(
-            f"This process is TF_CONFIG task {resolver.task_type}:"
-            f"{resolver.task_id} of a parameter-server cluster. Only the "
-            "coordinator (the `chief` task) builds ParameterServerStrategy; "
-            "`worker` and `ps` tasks serve it instead of calling "
-            "`auto_strategy`:\n\n"
-            "    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()\n"
-            "    tf.distribute.Server(resolver.cluster_spec(),\n"
-            "                         job_name=resolver.task_type,\n"
-            "                         task_index=resolver.task_id,\n"
-            '                         protocol="grpc", start=True).join()'
-        )
-    logger.warning(
-        "Keras 3 `Model.fit` does not support ParameterServerStrategy "
-        "(keras-team/keras#18624); train with a "
-        "`tf.distribute.coordinator.ClusterCoordinator` loop."
+    if resolver.task_type in ("worker", "ps"):
+        _serve(resolver)
+    return tf.distribute.experimental.ParameterServerStrategy(
+        resolver, variable_partitioner=variable_partitioner
     )
-    return tf.distribute.experimental.ParameterServerStrategy(resolver)
+
+
+def _serve(resolver) -> None:
+    """Runs this `worker`/`ps` task's server until the process is stopped.
+
+    The chief's `ClusterCoordinator` drives the task; it has nothing else to
+    do. The launcher (or the cluster's job controller) stops it when the
+    chief is done. Never returns.
+    """
+    name = f"{resolver.task_type}:{resolver.task_id}"
+    address = resolver.cluster_spec().task_address(resolver.task_type, resolver.task_id)
+    server = tf.distribute.Server(
+        resolver.cluster_spec(),
+        job_name=resolver.task_type,
+        task_index=resolver.task_id,
+        protocol=resolver.rpc_layer or "grpc",
+        start=True,
+    )
+    logger.warning(
+        "keras_dist: %s of a parameter-server cluster is serving on %s (pid "
+        "%d) until the job ends; the chief coordinates the training.",
+        name,
+        address,
+        os.getpid(),
+    )
+    server.join()
+    raise SystemExit(0)
 
 
 def _slurm_resolver(env):
