@@ -24,8 +24,10 @@ Private: use it through `DistributedModel`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
+import re
 
 import keras
 import numpy as np
@@ -56,6 +58,38 @@ def coordinator(strategy) -> tf.distribute.coordinator.ClusterCoordinator:
 def num_workers(strategy) -> int:
     """Number of `worker` tasks of the strategy's cluster."""
     return _compat.parameter_server_workers(strategy)
+
+
+_PS_TASK = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
+_ADDRESS = re.compile(r"ipv[46]:([^\s\",]+)")
+
+
+@contextlib.contextmanager
+def lost_ps_task_named():
+    """Turns the coordinator's error for a lost ps task into a clear one.
+
+    The variables live on the ps tasks: when one fails they are gone, so the
+    training cannot go on (unlike a lost worker, whose steps the coordinator
+    retries elsewhere). TensorFlow raises an `UnavailableError` of several
+    screens; this names the task and the fix.
+    """
+    try:
+        yield
+    except (tf.errors.UnavailableError, tf.errors.AbortedError) as error:
+        found = _PS_TASK.search(str(error))
+        if found is None:
+            raise
+        address = _ADDRESS.search(str(error))
+        where = f" at {address.group(1)}" if address else ""
+        raise RuntimeError(
+            f"Parameter server ps:{found.group(1)}{where} is unreachable: it "
+            "failed or was stopped, and the variables it held are lost, so "
+            "the training cannot go on (a lost worker is retried, a lost ps "
+            "task is not). Restart the job, restoring the model from your "
+            "last checkpoint (e.g. `keras.callbacks.ModelCheckpoint` on the "
+            f"chief). TensorFlow's error: {type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}"
+        ) from error
 
 
 # --- Checks ------------------------------------------------------------------
@@ -420,40 +454,41 @@ def fit(
         callback_list.on_train_batch_end,
     )
     callback_list.on_train_begin()
-    epoch_logs = {}
-    for epoch in range(initial_epoch, epochs):
-        model.reset_metrics()
-        callback_list.on_epoch_begin(epoch)
-        step = 0
-        while step < steps and not model.stop_training:
-            size = min(chunk, steps - step)
-            callback_list.on_train_batch_begin(step)
-            remote = cluster.schedule(
-                train, args=(iterator, tf.constant(size, tf.int32))
-            )
-            step += size
-            in_flight.add(step - 1, remote)
-        in_flight.drain()
-        cluster.join()
-        epoch_logs = {**in_flight.last_logs, **_metrics_logs(model)}
-        if validation_data is not None and _should_validate(epoch, validation_freq):
-            val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(
-                validation_data
-            )
-            val_logs = evaluate(
-                model,
-                val_x,
-                val_y,
-                batch_size=validation_batch_size or batch_size,
-                sample_weight=val_weight,
-                steps=validation_steps,
-                callback_list=callback_list,
-                return_dict=True,
-            )
-            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
-        callback_list.on_epoch_end(epoch, epoch_logs)
-        if model.stop_training:
-            break
+    with lost_ps_task_named():
+        epoch_logs = {}
+        for epoch in range(initial_epoch, epochs):
+            model.reset_metrics()
+            callback_list.on_epoch_begin(epoch)
+            step = 0
+            while step < steps and not model.stop_training:
+                size = min(chunk, steps - step)
+                callback_list.on_train_batch_begin(step)
+                remote = cluster.schedule(
+                    train, args=(iterator, tf.constant(size, tf.int32))
+                )
+                step += size
+                in_flight.add(step - 1, remote)
+            in_flight.drain()
+            cluster.join()
+            epoch_logs = {**in_flight.last_logs, **_metrics_logs(model)}
+            if validation_data is not None and _should_validate(epoch, validation_freq):
+                val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(
+                    validation_data
+                )
+                val_logs = evaluate(
+                    model,
+                    val_x,
+                    val_y,
+                    batch_size=validation_batch_size or batch_size,
+                    sample_weight=val_weight,
+                    steps=validation_steps,
+                    callback_list=callback_list,
+                    return_dict=True,
+                )
+                epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            callback_list.on_epoch_end(epoch, epoch_logs)
+            if model.stop_training:
+                break
     callback_list.on_train_end(epoch_logs)
     return model.history
 
@@ -522,11 +557,12 @@ def evaluate(
     )
     model.reset_metrics()
     callback_list.on_test_begin()
-    for step, batch in enumerate(_chain(first, batches)):
-        callback_list.on_test_batch_begin(step)
-        in_flight.add(step, cluster.schedule(test, args=(batch,)))
-    in_flight.drain()
-    cluster.join()
+    with lost_ps_task_named():
+        for step, batch in enumerate(_chain(first, batches)):
+            callback_list.on_test_batch_begin(step)
+            in_flight.add(step, cluster.schedule(test, args=(batch,)))
+        in_flight.drain()
+        cluster.join()
     logs = {**in_flight.last_logs, **_metrics_logs(model)}
     callback_list.on_test_end(logs)
     if return_dict:
@@ -559,15 +595,16 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     predict_batch = _batch_function(model, strategy, model.predict_step, "predict")
     remotes = []
     callback_list.on_predict_begin()
-    for step, batch in enumerate(_chain(first, batches)):
-        callback_list.on_predict_batch_begin(step)
-        remotes.append(cluster.schedule(predict_batch, args=(batch,)))
-    cluster.join()
     outputs = []
-    for step, remote in enumerate(remotes):
-        output = remote.fetch()
-        outputs.append(output)
-        callback_list.on_predict_batch_end(step, {"outputs": output})
+    with lost_ps_task_named():
+        for step, batch in enumerate(_chain(first, batches)):
+            callback_list.on_predict_batch_begin(step)
+            remotes.append(cluster.schedule(predict_batch, args=(batch,)))
+        cluster.join()
+        for step, remote in enumerate(remotes):
+            output = remote.fetch()
+            outputs.append(output)
+            callback_list.on_predict_batch_end(step, {"outputs": output})
     callback_list.on_predict_end()
     return keras.tree.map_structure_up_to(
         outputs[0], lambda *parts: np.concatenate(parts), *outputs

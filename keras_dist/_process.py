@@ -38,6 +38,9 @@ EXIT_CANNOT_START = 127
 # Too few file descriptors (or processes) to start every task.
 EXIT_NO_RESOURCES = 1
 POLL_INTERVAL = 0.05
+# Seconds a parameter-server coordinator gets to report a lost ps task
+# (its `fit` raises) before the launcher stops it.
+COORDINATOR_REPORT_SECONDS = 60.0
 # Seconds to wait for a finished task's last output lines before moving on.
 READER_JOIN_TIMEOUT = 2.0
 SIGKILL = getattr(signal, "SIGKILL", signal.SIGTERM)
@@ -387,6 +390,19 @@ def _supervise(
         if code != 0 and failure is not None:
             failure.append((task.name, code))
         if task.spec.serves:
+            lead = next((t for t in pending if t.name == coordinator), None)
+            if lead is not None:
+                # The coordinator's `fit` fails with the error that names
+                # the lost ps task; let it say so before stopping it.
+                say(
+                    f"parameter server {task.name} stopped with "
+                    f"{describe_exit(code)}; waiting up to "
+                    f"{COORDINATOR_REPORT_SECONDS:g} s for {lead.name} (the "
+                    "coordinator) to report it, then stopping the other tasks."
+                )
+                if wait_any([lead.process], COORDINATOR_REPORT_SECONDS):
+                    lead.reader.join(timeout=READER_JOIN_TIMEOUT)
+                return exit_status(code) or 1
             say(
                 f"parameter server {task.name} stopped with "
                 f"{describe_exit(code)} while training tasks were still "

@@ -11,8 +11,8 @@ Modes:
   and `predict` checked against the same model run on the chief, and a
   `dataset_fn` input.
 - `sharded`: 2 ps tasks, an embedding split across them by a
-  `variable_partitioner`; then a worker is SIGKILLed mid-`fit`.
-- `ps_failure`: a ps task is SIGKILLed mid-`fit`.
+  `variable_partitioner`; then a worker is SIGKILLed mid-`fit`, then a ps
+  task (the job then fails, as it must: the result is written first).
 """
 
 import json
@@ -237,6 +237,7 @@ def sharded():
     result["kill_evaluate"] = model.evaluate(
         x_test, y_test, return_dict=True, verbose=0
     )
+    ps_failure()
 
 
 def ps_failure():
@@ -252,6 +253,7 @@ def ps_failure():
         result["ps_failure"] = None
     except Exception as error:  # the test reads what it was
         result["ps_failure"] = f"{type(error).__name__}: {error}"
+        result["ps_failure_cause"] = type(error.__cause__).__name__
 
 
 def _ps_pid():
@@ -274,7 +276,7 @@ def _ps_pid():
     raise RuntimeError("no ps:0 process of this job found")
 
 
-{"train": train, "sharded": sharded, "ps_failure": ps_failure}[MODE]()
+{"train": train, "sharded": sharded}[MODE]()
 with open(os.path.join(OUT_DIR, "result.json"), "w") as file:
     json.dump(result, file, default=float)
 print("result written", flush=True)

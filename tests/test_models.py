@@ -512,57 +512,6 @@ def test_apply_gradients_needs_compile():
         model.apply_gradients([], [])
 
 
-PS_SCRIPT = """
-import json, os
-task = os.environ["KERAS_DIST_TASK"]
-if task.startswith("worker"):
-    import tensorflow as tf
-    spec = tf.train.ClusterSpec(json.loads(os.environ["TF_CONFIG"])["cluster"])
-    server = tf.distribute.Server(
-        spec, job_name="worker", task_index=0, protocol="grpc"
-    )
-    server.join()  # never returns: the launcher stops it when the chief is done
-import keras
-import numpy as np
-import keras_dist
-strategy = keras_dist.auto_strategy()
-print("strategy:", type(strategy).__name__, flush=True)
-with strategy.scope():
-    inputs = keras.Input((4,))
-    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs))
-    model.compile(optimizer="sgd", loss="mse")
-try:
-    model.fit(np.zeros((8, 4)), np.zeros((8, 1)), epochs=1, verbose=0)
-    print("fit ran", flush=True)
-except TypeError as error:
-    print("refused:", error, flush=True)
-"""
-
-
-@pytest.mark.multiworker
-def test_parameter_server_strategy_is_refused_with_a_clear_error(tmp_path):
-    """A real chief + worker + ps cluster through `keras-dist launch`."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "ps_train.py"
-    script.write_text(PS_SCRIPT)
-    launch = ["-m", "keras_dist", "launch", "--workers", "1", "--ps", "1", "--chief"]
-    command = [sys.executable, str(script)]
-    result = subprocess.run(
-        [sys.executable, *launch, "--", *command],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "[chief:0] strategy: ParameterServerStrategy" in result.stdout
-    assert "[chief:0] refused: DistributedModel.fit/evaluate do not support" in (
-        result.stdout
-    )
-    assert "keras#18624" in result.stdout
-
-
 def test_compression_ratio_is_in_the_logs(mirrored):
     x, y = make_data()
     with mirrored(2).scope():

@@ -433,23 +433,25 @@ def test_unreachable_tpu_address_times_out(monkeypatch, clean_env):
         strategy.auto_strategy(startup_timeout=1.5)
 
 
-def test_parameter_server_on_chief(monkeypatch, clean_env, recorded, caplog):
+def test_parameter_server_on_chief(monkeypatch, clean_env, recorded):
     monkeypatch.setenv("TF_CONFIG", _tf_config(PS_CLUSTER, "chief"))
-    with caplog.at_level(logging.WARNING, logger="keras_dist.strategy"):
-        assert strategy.auto_strategy() == "ParameterServerStrategy"
-    assert "keras-team/keras#18624" in caplog.text
-    (_, args, _) = recorded[0]
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner()
+    assert (
+        strategy.auto_strategy(variable_partitioner=partitioner)
+        == "ParameterServerStrategy"
+    )
+    (_, args, kwargs) = recorded[0]
     assert args[0].cluster_spec().as_dict() == PS_CLUSTER
+    assert kwargs == {"variable_partitioner": partitioner}
 
 
-@pytest.mark.parametrize("task_type", ["worker", "ps"])
-def test_parameter_server_refused_on_servers(
-    monkeypatch, clean_env, recorded, task_type
+def test_variable_partitioner_unused_outside_parameter_servers(
+    clean_env, recorded, caplog
 ):
-    monkeypatch.setenv("TF_CONFIG", _tf_config(PS_CLUSTER, task_type))
-    with pytest.raises(RuntimeError, match=r"Only the coordinator \(the `chief`"):
-        strategy.auto_strategy()
-    assert recorded == []
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner()
+    with caplog.at_level(logging.INFO, logger="keras_dist.strategy"):
+        strategy.auto_strategy(variable_partitioner=partitioner)
+    assert "does not use variable_partitioner" in caplog.text
 
 
 def test_several_gpus_mirror_all(monkeypatch, clean_env, recorded):
