@@ -197,7 +197,7 @@ def sharded():
         )
         model = keras_dist.DistributedModel(inputs, keras.layers.Dense(10)(hidden))
         model.compile(
-            optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+            optimizer=keras.optimizers.Adam(0.01),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
@@ -207,7 +207,7 @@ def sharded():
     result["shard_devices"] = [shard.device for shard in shards]
     result["shard_rows"] = [int(shard.shape[0]) for shard in shards]
     before = [shard.numpy().copy() for shard in shards]
-    model.fit(x_train, y_train, batch_size=32, epochs=2, verbose=2)
+    model.fit(x_train, y_train, batch_size=32, epochs=3, verbose=2)
     result["shard_changed_rows"] = [
         int(np.sum(np.any(shard.numpy() != old, axis=1)))
         for shard, old in zip(shards, before)
