@@ -493,6 +493,9 @@ from tensorflow.python.distribute import (  # noqa: E402
 from tensorflow.python.distribute import (  # noqa: E402
     parameter_server_strategy as _ps_strategy,
 )
+from tensorflow.python.distribute.sharded_variable import (  # noqa: E402
+    ShardedVariable as _ShardedVariable,
+)
 
 _PSExtended = _ps_strategy.ParameterServerStrategyExtended
 _ps_update = _PSExtended._update
@@ -552,7 +555,7 @@ def variable_shards(variable) -> list | None:
     tasks). Keras 3 does not know it: `tape.gradient` asks it for a `handle`
     it has not. Gradients are taken with respect to the shards instead.
     """
-    value = getattr(variable, "value", variable)
-    if type(value).__name__ == "ShardedVariable" and hasattr(value, "variables"):
+    value = variable._value if isinstance(variable, _KerasVariable) else variable
+    if isinstance(value, _ShardedVariable):
         return list(value.variables)
     return None
