@@ -10,14 +10,10 @@ identical weights on every worker at the end.
     keras-dist launch --workers 2 -- python examples/multi_worker.py
     keras-dist launch --workers 2 -- python examples/multi_worker.py --smoke
 
-Exercise 3 (parameter servers): `keras-dist launch --workers 2 --ps 1 --chief`
-starts a parameter-server cluster and `keras_dist.auto_strategy()` returns a
-`ParameterServerStrategy` on the chief. Keras 3 has no `fit` for it
-(keras#18624) and DistributedModel refuses it with a clear error; support
-means asynchronous updates driven by a `ClusterCoordinator.schedule` loop,
-which tolerates slow workers at the price of stale gradients. Until then, this
-synchronous example is the groundwork: the same model, data pipeline and
-launcher.
+Exercise 3 (parameter servers): `examples/parameter_server.py` trains the
+same kind of model asynchronously with `keras-dist launch --workers 2 --ps 1
+--chief`, and compares it with this synchronous strategy, with and without a
+slow worker (docs/guides/parameter_servers.md).
 """
 
 import argparse

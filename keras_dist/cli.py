@@ -10,7 +10,7 @@ Example:
 
 ```shell
 keras-dist launch --workers 2 -- python train.py --epochs 3
-keras-dist launch --workers 2 --ps 1 --chief -- python train_ps.py
+keras-dist launch --workers 2 --ps 1 --chief -- python train.py
 keras-dist env
 keras-dist demo --help
 ```

@@ -300,8 +300,9 @@ def test_launch_without_restarts_keeps_todays_behaviour(capsys):
     assert "restart" not in output
 
 
-def test_launch_refuses_restarts_with_parameter_servers():
-    with pytest.raises(ValueError, match=r"max_restarts.*parameter servers"):
+def test_launch_refuses_restarts_with_parameter_servers_but_no_chief():
+    # With a chief (the coordinator) a failed worker is restarted in place.
+    with pytest.raises(ValueError, match=r"max_restarts.*needs `chief=True`"):
         cli.launch(["true"], workers=1, ps=1, max_restarts=1)
     with pytest.raises(ValueError, match="max_restarts"):
         cli.launch(["true"], workers=1, max_restarts=-1)
