@@ -224,3 +224,37 @@ def test_auto_strategy_serves_on_ps_and_worker_tasks(task_type):
         output
     )
     assert "returned" not in output
+
+
+def test_parameter_server_example_trains_asynchronously_with_a_straggler(tmp_path):
+    """examples/parameter_server.py --smoke, as its docstring launches it."""
+    example = Path(__file__).parents[1] / "examples" / "parameter_server.py"
+    out = tmp_path / "result.json"
+    command = [
+        *(sys.executable, "-m", "keras_dist", "launch"),
+        *("--workers", "2", "--ps", "1", "--chief", "--"),
+        *(sys.executable, str(example), "--smoke", "--straggler-factor", "2"),
+        *("--out", str(out)),
+    ]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("TF_CONFIG", None)
+    completed = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env=env
+    )
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-4000:]
+    assert re.search(
+        r"\[chief:0\] ParameterServerStrategy \(async, 2 workers, straggler x2\): "
+        r"test accuracy 0\.\d+, [\d,]+ samples/s, [\d.]+ s, 92 steps",
+        output,
+    ), output[-4000:]
+    result = json.loads(out.read_text())
+    assert result["strategy"] == "ParameterServerStrategy"
+    # 2 epochs of 23 batches per worker = 46 steps of one worker's batch each;
+    # every step is applied, asynchronously.
+    assert result["steps"] == result["updates"] == 92
+    assert result["samples"] == 92 * 32
+    assert result["straggler_sleep_ms"] > 0
+    assert result["test_accuracy"] >= 0.8  # chance: 0.1
+    assert result["loss_per_epoch"][1] < result["loss_per_epoch"][0]
+    assert result["samples_per_s"] > 0 and result["wall_s"] > 0
