@@ -1,5 +1,8 @@
 """The one gradient aggregation path of keras_dist.
 
+`reduce_gradients` is pure TensorFlow and shared by both front ends (Keras 3
+and tf_keras); `reduce_and_apply` adds the Keras 3 optimizer.
+
     per-replica gradients -> all-reduce hook (sum over replicas)
         -> optimizer.apply: loss-scale check, clipping, weight decay, update
 
@@ -78,9 +81,11 @@ def reduce_and_apply(
 ):
     """Sums `gradients` over replicas through `hook`, then applies them once.
 
-    Must run in replica context (inside `strategy.run`, or anywhere under the
-    default strategy). `None` gradients are dropped together with their
-    variables, as Keras does.
+    The Keras 3 front end: `reduce_gradients`, then the Keras optimizer's
+    `apply` (which clips the reduced gradient) with its own all-reduce
+    disabled. Must run in replica context (inside `strategy.run`, or
+    anywhere under the default strategy). `None` gradients are dropped
+    together with their variables, as Keras does.
 
     Args:
         optimizer: The Keras optimizer (possibly a `LossScaleOptimizer`).
@@ -102,6 +107,47 @@ def reduce_and_apply(
     When `GradientStatistics` are attached to `optimizer`, their squared
     gradient norms are recorded too (see `GradientStatistics.record`).
     """
+    grads, trainable, reduced = reduce_gradients(
+        gradients, variables, hook, batch_size=batch_size, optimizer=optimizer
+    )
+    if not reduced:
+        return []
+    statistics = gradient_statistics(optimizer)
+    if statistics is not None:
+        statistics.record(grads, reduced)
+    control = []
+    if check_finite and not _loss_scaled(optimizer):
+        control = [assert_finite(reduced, optimizer.iterations)]
+    # The assert runs before any update (tf.function also orders stateful
+    # ops in program order), so a failing step leaves the weights as they
+    # were.
+    with (
+        tf.control_dependencies(control),
+        _compat.optimizer_all_reduce_disabled(optimizer),
+    ):
+        optimizer.apply(reduced, trainable)
+    return reduced
+
+
+def reduce_gradients(gradients, variables, hook, batch_size=None, optimizer=None):
+    """The front-end-neutral half of the path: weigh, then sum through `hook`.
+
+    Pure TensorFlow, shared by the Keras 3 pieces (`reduce_and_apply`) and
+    the tf_keras ones (`keras_dist.tf_keras`). Runs in replica context.
+
+    Args:
+        gradients: List of this replica's gradients (`None` entries are
+            dropped with their variables).
+        variables: List of the matching trainable variables.
+        hook: The built `AllReduceHook` that sums them over replicas.
+        batch_size: Int, scalar tensor or `None`. See `reduce_and_apply`.
+        optimizer: The optimizer that applies the sums, or `None`. A hook
+            that applies momentum itself (DGC) checks it.
+
+    Returns:
+        `(gradients, variables, reduced)`: the kept gradients (weighted by
+        batch share), their variables and the summed gradients, in order.
+    """
     if tf.distribute.in_cross_replica_context():
         raise RuntimeError(
             "keras_dist's gradient aggregation must run in a replica context "
@@ -115,13 +161,13 @@ def reduce_and_apply(
         )
     pairs = [(g, v) for g, v in zip(gradients, variables) if g is not None]
     if not pairs:
-        return []
+        return [], [], []
     grads = [g for g, _ in pairs]
     trainable = [v for _, v in pairs]
     if batch_size is not None:
         grads = weight_by_batch_share(grads, batch_size)
     bind_optimizer = getattr(hook, "bind_optimizer", None)
-    if bind_optimizer is not None:
+    if bind_optimizer is not None and optimizer is not None:
         # A hook that applies momentum itself (DGC) checks the optimizer that
         # applies its sums, and finds its loss scale.
         bind_optimizer(optimizer)
@@ -134,21 +180,7 @@ def reduce_and_apply(
         )
     reduced = list(reduced)
     _check_reduced(hook, grads, reduced, trainable)
-    statistics = gradient_statistics(optimizer)
-    if statistics is not None:
-        statistics.record(grads, reduced)
-    control = []
-    if check_finite and not _loss_scaled(optimizer):
-        control = [_assert_finite(reduced, optimizer.iterations)]
-    # The assert runs before any update (tf.function also orders stateful
-    # ops in program order), so a failing step leaves the weights as they
-    # were.
-    with (
-        tf.control_dependencies(control),
-        _compat.optimizer_all_reduce_disabled(optimizer),
-    ):
-        optimizer.apply(reduced, trainable)
-    return reduced
+    return grads, trainable, reduced
 
 
 def _check_reduced(hook, gradients, reduced, variables) -> None:
@@ -199,7 +231,7 @@ def _loss_scaled(optimizer) -> bool:
     )
 
 
-def _assert_finite(gradients, iterations):
+def assert_finite(gradients, iterations):
     """An op that fails when any reduced gradient is NaN or infinite.
 
     The reduced gradients are identical on every replica and worker, so all
@@ -222,7 +254,8 @@ def _assert_finite(gradients, iterations):
             "(0-based). The weights were not updated. Usual causes: NaN or inf "
             "in the input data, a learning rate that diverged, a loss that "
             "overflows. Turn the check off with "
-            "model.compile(..., check_finite_gradients=False).",
+            "model.compile(..., check_finite_gradients=False) (tf_keras: "
+            "DistributedOptimizer(..., check_finite_gradients=False)).",
         ],
         summarize=1,
     )

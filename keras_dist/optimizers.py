@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_dist import _aggregation, _compat
+from keras_dist import _accumulation, _aggregation, _compat
 from keras_dist._validation import check_int
 from keras_dist.compression.base import NoCompression
 
@@ -213,7 +213,18 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         self._examples = _compat.add_replica_local_variable(
             self, tf.zeros((), tf.float32), name="accumulated_examples"
         )
-        self._accumulator_index = {id(v): i for i, v in enumerate(var_list)}
+        _compat.set_untracked_attribute(
+            self,
+            "_cycle",
+            _accumulation.AccumulationCycle(
+                self._accumulators,
+                self._examples,
+                self._pending,
+                self._micro_steps,
+                self._steps_variable,
+                var_list,
+            ),
+        )
         self.inner_optimizer.build(var_list)
         # Built here, in cross-replica context: a hook's state cannot be
         # created inside a replica step. `DistributedModel` passes the hook
@@ -286,10 +297,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
     def reset_accumulation(self):
         """Discards the gradients accumulated since the last update."""
         self._check_built("reset_accumulation")
-        for accumulator in self._accumulators:
-            accumulator.assign(tf.zeros_like(accumulator))
-        self._examples.assign(0.0)
-        self._pending.assign(0)
+        self._cycle.reset()
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
@@ -349,67 +357,25 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             self.built = True
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
         variables = [v for _, v in pairs]
-        accumulators = [self._accumulators[self._index(v)] for v in variables]
-        # Accumulate the gradient of the *sum* of this replica's example
-        # losses (Keras scaled its mean loss by 1 / R), and count the
-        # examples: on update, sum / examples is the mean over every example
-        # of every replica and micro-step, on any number of replicas (also
-        # after a restore on another count).
-        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        examples = tf.cast(1 if batch_size is None else batch_size, tf.float32)
-        for accumulator, (grad, _) in zip(accumulators, pairs):
-            # Replica-local (ON_READ) variable: this writes only this
-            # replica's copy, no communication.
-            weight = tf.cast(examples * replicas, accumulator.dtype)
-            accumulator.assign_add(
-                tf.cast(tf.convert_to_tensor(grad), accumulator.dtype) * weight
+        for variable in variables:
+            self._index(variable)
+
+        def apply(mean_grads, variables):
+            _aggregation.reduce_and_apply(
+                self.inner_optimizer,
+                mean_grads,
+                variables,
+                hook,
+                check_finite=check_finite,
             )
-        self._examples.assign_add(examples)
 
-        def cross_replica_update(strategy):
-            # One unconditional merge_call per micro-step; the conditional
-            # lives here, in cross-replica context, because a cond in replica
-            # context cannot contain the all-reduce's merge_call (#20582).
-            self._micro_steps.assign_add(1)
-            pending = self._pending + 1
-
-            def update():
-                strategy.extended.call_for_each_replica(
-                    self._apply_accumulated,
-                    args=(accumulators, variables, hook, check_finite),
-                )
-                self._pending.assign(0)
-                return tf.constant(True)
-
-            def accumulate():
-                self._pending.assign(pending)
-                return tf.constant(False)
-
-            return tf.cond(pending >= self._steps_variable, update, accumulate)
-
-        tf.distribute.get_replica_context().merge_call(cross_replica_update)
-
-    def _apply_accumulated(self, accumulators, variables, hook, check_finite):
-        ctx = tf.distribute.get_replica_context()
-        local = tf.identity(self._examples.value)
-        if ctx.num_replicas_in_sync > 1:
-            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, local)
-        else:
-            total = local
-        grads = [
-            tf.math.divide_no_nan(tf.identity(a.value), tf.cast(total, a.dtype))
-            for a in accumulators
-        ]
-        _aggregation.reduce_and_apply(
-            self.inner_optimizer, grads, variables, hook, check_finite=check_finite
+        self._cycle.accumulate(
+            [g for g, _ in pairs], variables, apply, batch_size=batch_size
         )
-        for accumulator in accumulators:
-            accumulator.assign(tf.zeros_like(accumulator.value))
-        self._examples.assign(tf.zeros_like(self._examples.value))
 
     def _index(self, variable):
         try:
-            return self._accumulator_index[id(variable)]
+            return self._cycle.index(variable)
         except KeyError:
             raise ValueError(
                 f"Variable {variable.path!r} was not known to the optimizer when "

@@ -1,0 +1,128 @@
+"""The gradient-accumulation cycle, in pure TensorFlow, for both front ends.
+
+`keras_dist.GradientAccumulationOptimizer` (Keras 3) and
+`keras_dist.tf_keras.DistributedOptimizer` (tf_keras) create their variables
+their own way and run the same cycle here:
+
+- each micro-step adds this replica's gradient into **replica-local**
+  accumulators (`synchronization=ON_READ`): no communication;
+- every micro-step makes exactly one, unconditional `merge_call`; the
+  decision to update is a `tf.cond` in cross-replica context, because a cond
+  in replica context cannot contain the all-reduce's `merge_call`
+  (keras-team/keras#20582, tf-keras#107);
+- on the k-th micro-step every replica computes the mean over the
+  accumulated examples and calls the front end's `apply` (which sums through
+  the all-reduce hook, clips and updates once), then zeroes its
+  accumulators.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def read(variable):
+    """A variable's value as a tensor (Keras variables and tf.Variables)."""
+    value = variable.value
+    return value() if callable(value) else value
+
+
+class AccumulationCycle:
+    """One optimizer's accumulation state and its update rule.
+
+    Args:
+        accumulators: List of replica-local variables, one per trainable
+            variable, in `variables` order.
+        examples: Replica-local float32 scalar variable: the examples
+            accumulated on this replica.
+        pending: Int64 scalar variable (one value for all replicas): the
+            micro-steps accumulated since the last update.
+        micro_steps: Int64 scalar variable: every micro-step so far.
+        steps: Int64 scalar variable: the micro-steps per update (can be
+            assigned while training runs).
+        variables: List of the trainable variables the accumulators match.
+    """
+
+    def __init__(self, accumulators, examples, pending, micro_steps, steps, variables):
+        self.accumulators = list(accumulators)
+        self.examples = examples
+        self.pending = pending
+        self.micro_steps = micro_steps
+        self.steps = steps
+        self._index = {id(v): i for i, v in enumerate(variables)}
+
+    def index(self, variable) -> int:
+        """The position of `variable`'s accumulator; `KeyError` if unknown."""
+        return self._index[id(variable)]
+
+    def accumulate(self, grads, variables, apply, batch_size=None):
+        """Adds this replica's `grads`; on every k-th call runs `apply`.
+
+        Runs in replica context.
+
+        Args:
+            grads: List of this replica's gradients (no `None`).
+            variables: List of the matching variables (all known).
+            apply: Callable `apply(mean_gradients, variables)`, run in replica
+                context on update steps with the mean over every accumulated
+                example of every replica (it must sum over replicas).
+            batch_size: Int, scalar tensor or `None`. This replica's number of
+                examples in the micro-batch; `None` counts each micro-step as
+                one.
+        """
+        accumulators = [self.accumulators[self.index(v)] for v in variables]
+        # Accumulate the gradient of the *sum* of this replica's example
+        # losses (the front ends scale the mean loss by 1 / R), and count the
+        # examples: on update, sum / examples is the mean over every example
+        # of every replica and micro-step, on any number of replicas (also
+        # after a restore on another count).
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        examples = tf.cast(1 if batch_size is None else batch_size, tf.float32)
+        for accumulator, grad in zip(accumulators, grads):
+            weight = tf.cast(examples * replicas, accumulator.dtype)
+            accumulator.assign_add(
+                tf.cast(tf.convert_to_tensor(grad), accumulator.dtype) * weight
+            )
+        self.examples.assign_add(examples)
+
+        def cross_replica_update(strategy):
+            self.micro_steps.assign_add(1)
+            pending = self.pending + 1
+
+            def update():
+                strategy.extended.call_for_each_replica(
+                    self._apply_mean, args=(accumulators, variables, apply)
+                )
+                self.pending.assign(0)
+                return tf.constant(True)
+
+            def wait():
+                self.pending.assign(pending)
+                return tf.constant(False)
+
+            return tf.cond(pending >= self.steps, update, wait)
+
+        tf.distribute.get_replica_context().merge_call(cross_replica_update)
+
+    def _apply_mean(self, accumulators, variables, apply):
+        ctx = tf.distribute.get_replica_context()
+        local = tf.identity(read(self.examples))
+        if ctx.num_replicas_in_sync > 1:
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, local)
+        else:
+            total = local
+        grads = [
+            tf.math.divide_no_nan(tf.identity(read(a)), tf.cast(total, a.dtype))
+            for a in accumulators
+        ]
+        apply(grads, variables)
+        for accumulator in accumulators:
+            accumulator.assign(tf.zeros_like(read(accumulator)))
+        self.examples.assign(tf.zeros_like(read(self.examples)))
+
+    def reset(self) -> None:
+        """Discards what was accumulated since the last update."""
+        for accumulator in self.accumulators:
+            accumulator.assign(tf.zeros_like(read(accumulator)))
+        self.examples.assign(0.0)
+        self.pending.assign(0)

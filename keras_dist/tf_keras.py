@@ -1,0 +1,331 @@
+"""keras_dist's pieces for tf_keras (Keras 2) models.
+
+tensorflow-model-optimization (pruning, quantization-aware training, weight
+clustering) accepts only tf_keras models, and so did Horovod. This module
+gives those models keras_dist's all-reduce hooks (`keras_dist.compression`,
+the same classes) and gradient accumulation under `MirroredStrategy` and
+`MultiWorkerMirroredStrategy`, through the same pure-TensorFlow core as the
+Keras 3 pieces (`_aggregation.reduce_gradients`, `_accumulation`).
+
+Needs `pip install "keras-dist[tfmot]"` (tf_keras, and tfmot for the pruning
+and quantization pieces). `import keras_dist` imports neither.
+
+Example (Horovod's `hvd.DistributedOptimizer(opt, compression=fp16,
+backward_passes_per_step=2)`):
+
+```python
+import tensorflow as tf
+import tf_keras
+
+import keras_dist
+from keras_dist.tf_keras import DistributedOptimizer
+
+strategy = keras_dist.auto_strategy()
+with strategy.scope():
+    model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(4,))])
+    model.compile(
+        optimizer=DistributedOptimizer(
+            tf_keras.optimizers.Adam(0.01),
+            all_reduce_hook=keras_dist.compression.FP16(),
+            accumulation_steps=2,
+        ),
+        loss="mse",
+    )
+model.fit(tf.zeros((64, 4)), tf.zeros((64, 1)), batch_size=16, verbose=0)
+```
+"""
+
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+
+try:
+    import tf_keras
+except ImportError as error:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "keras_dist.tf_keras needs the tf_keras package (Keras 2), which is "
+        'not installed. Install it with `pip install "keras-dist[tfmot]"`.'
+    ) from error
+
+from keras_dist import _accumulation, _aggregation
+from keras_dist._validation import check_bool, check_int
+from keras_dist.compression.base import AllReduceHook, NoCompression
+
+__all__ = ["DistributedOptimizer", "UpdatePruningStep"]
+
+_OPTIMIZER_TYPES = (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer)
+
+
+def DistributedOptimizer(  # a factory, named like the class it returns
+    optimizer,
+    all_reduce_hook: AllReduceHook | None = None,
+    accumulation_steps: int = 1,
+    check_finite_gradients: bool = True,
+):
+    """Wraps a tf_keras optimizer so it sums gradients through a hook.
+
+    Returns an optimizer **of the same class** as `optimizer` (an `Adam`
+    stays an `Adam`, with the same configuration), whose `apply_gradients`:
+
+    1. with `accumulation_steps=k > 1`, adds each micro-step's gradient into
+       replica-local accumulators, with no communication, and goes on only
+       every k-th call, with the mean over the accumulated examples;
+    2. sums the gradients over replicas and workers **once**, through
+       `all_reduce_hook` (compression);
+    3. applies them with the wrapped optimizer's own `apply_gradients`, whose
+       `clipnorm` / `clipvalue` / `global_clipnorm` then act on the reduced
+       gradient, and whose `iterations` counts **updates**.
+
+    Under `MirroredStrategy` and `MultiWorkerMirroredStrategy` the update
+    equals one big batch on one device (to float rounding) for uncompressed
+    hooks. Create the optimizer inside the strategy's `scope()`, before
+    `compile`. Its variables (the accumulators, the hook's state) are saved
+    by `tf.train.Checkpoint` and tf_keras checkpoints with the optimizer.
+
+    Args:
+        optimizer: A `tf_keras.optimizers.Optimizer`, not yet used (a
+            `tf_keras.optimizers.legacy` one works without accumulation).
+        all_reduce_hook: A `keras_dist.compression.AllReduceHook` instance,
+            or `None` for an uncompressed sum. Defaults to `None`.
+        accumulation_steps: Int >= 1. Micro-steps per update (Horovod's
+            `backward_passes_per_step`). Defaults to `1`.
+        check_finite_gradients: Bool. Stop with an error naming the update,
+            before the weights change, when the reduced gradient holds NaN
+            or inf. Defaults to `True`.
+
+    Returns:
+        The wrapped optimizer.
+
+    Raises:
+        TypeError: `optimizer` is not a tf_keras optimizer (a Keras 3
+            optimizer: use `keras_dist.GradientAccumulationOptimizer` and
+            `keras_dist.DistributedModel`), or `all_reduce_hook` is not an
+            `AllReduceHook` instance.
+        ValueError: `accumulation_steps` < 1, or > 1 with a legacy
+            optimizer, or `optimizer` has already been used (its state would
+            be lost).
+    """
+    if not isinstance(optimizer, _OPTIMIZER_TYPES):
+        hint = ""
+        if type(optimizer).__module__.startswith("keras"):
+            hint = (
+                " A Keras 3 optimizer trains Keras 3 models: use "
+                "`keras_dist.DistributedModel` and "
+                "`keras_dist.GradientAccumulationOptimizer` instead."
+            )
+        raise TypeError(
+            "`optimizer` must be a tf_keras optimizer "
+            "(`tf_keras.optimizers.Adam(...)`, or one of "
+            "`tf_keras.optimizers.legacy`). Received: optimizer="
+            f"{optimizer!r} of type {type(optimizer).__module__}."
+            f"{type(optimizer).__name__}.{hint}"
+        )
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError(
+            f"`optimizer` is already a DistributedOptimizer: {optimizer!r}. "
+            "Wrap the plain optimizer once."
+        )
+    if all_reduce_hook is not None:
+        _aggregation.check_hook(all_reduce_hook)
+    accumulation_steps = check_int(
+        "accumulation_steps", accumulation_steps, minimum=1, maximum=10**9
+    )
+    check_bool("check_finite_gradients", check_finite_gradients)
+    if accumulation_steps > 1 and isinstance(
+        optimizer, tf_keras.optimizers.legacy.Optimizer
+    ):
+        # Measured: legacy Adam's fused update fails inside the update's
+        # tf.cond ("beta1_power is not a scalar").
+        raise ValueError(
+            "`accumulation_steps` > 1 needs a current tf_keras optimizer; the "
+            f"legacy ones do not apply inside its update. Received: "
+            f"{type(optimizer).__module__}.{type(optimizer).__name__} with "
+            f"accumulation_steps={accumulation_steps}. Use "
+            f"`tf_keras.optimizers.{type(optimizer).__name__}`."
+        )
+    if int(optimizer.iterations.numpy()) != 0 or _built(optimizer):
+        raise ValueError(
+            "`optimizer` has already been used (it has state that wrapping "
+            f"would lose). Received: {optimizer!r} at iteration "
+            f"{int(optimizer.iterations.numpy())}. Wrap a new optimizer, "
+            "before `compile`."
+        )
+    wrapped = _distributed_class(type(optimizer)).from_config(optimizer.get_config())
+    wrapped._keras_dist_setup(
+        NoCompression() if all_reduce_hook is None else all_reduce_hook,
+        accumulation_steps,
+        check_finite_gradients,
+    )
+    return wrapped
+
+
+def _built(optimizer) -> bool:
+    if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+        return bool(optimizer._slots)
+    return bool(getattr(optimizer, "_built", False))
+
+
+class _DistributedMixin:
+    """The `apply_gradients` of `DistributedOptimizer`, over any tf_keras one."""
+
+    def _keras_dist_setup(self, hook, accumulation_steps, check_finite):
+        self._keras_dist_hook = hook
+        self._keras_dist_steps = accumulation_steps
+        self._keras_dist_check_finite = check_finite
+        self._keras_dist_cycle = None
+
+    @property
+    def all_reduce_hook(self) -> AllReduceHook:
+        """The hook that sums the gradients over replicas."""
+        return self._keras_dist_hook
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-steps per update."""
+        return self._keras_dist_steps
+
+    def apply_gradients(self, grads_and_vars, name=None, **kwargs):
+        """Accumulates, sums through the hook, then applies once (see the class)."""
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not pairs:
+            return self.iterations
+        if tf.distribute.in_cross_replica_context():
+            raise RuntimeError(
+                "DistributedOptimizer.apply_gradients runs in replica context "
+                "(inside `strategy.run`, as tf_keras's `fit` calls it), not in "
+                "cross-replica context."
+            )
+        grads = [g for g, _ in pairs]
+        variables = [v for _, v in pairs]
+        self._keras_dist_build(variables)
+        apply = functools.partial(self._keras_dist_apply, name=name)
+        if self._keras_dist_cycle is None:
+            apply(grads, variables)
+        else:
+            self._keras_dist_cycle.accumulate(grads, variables, apply)
+        return self.iterations
+
+    def _keras_dist_apply(self, grads, variables, name=None):
+        _, trainable, reduced = _aggregation.reduce_gradients(
+            grads, variables, self._keras_dist_hook, optimizer=self
+        )
+        control = []
+        if self._keras_dist_check_finite:
+            control = [_aggregation.assert_finite(reduced, self.iterations)]
+        with tf.control_dependencies(control):
+            if isinstance(self, tf_keras.optimizers.legacy.Optimizer):
+                super().apply_gradients(
+                    zip(reduced, trainable),
+                    name=name,
+                    experimental_aggregate_gradients=False,
+                )
+            else:
+                super().apply_gradients(
+                    zip(reduced, trainable),
+                    name=name,
+                    skip_gradients_aggregation=True,
+                )
+
+    def _keras_dist_build(self, variables):
+        """Creates the hook's state and the accumulators, in cross-replica context."""
+        hook = self._keras_dist_hook
+        needs_cycle = self._keras_dist_steps > 1 and self._keras_dist_cycle is None
+        if _aggregation.hook_covers(hook, variables) and not needs_cycle:
+            return
+
+        def build(strategy):
+            _aggregation.build_hook(hook, variables, strategy)
+            if needs_cycle:
+                with tf.init_scope(), strategy.scope():
+                    self._keras_dist_make_cycle(variables)
+
+        tf.distribute.get_replica_context().merge_call(build)
+
+    def _keras_dist_make_cycle(self, variables):
+        def local(value, name):
+            return tf.Variable(
+                value,
+                trainable=False,
+                name=name,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM,
+            )
+
+        def shared(value, name):
+            return tf.Variable(
+                tf.constant(value, tf.int64),
+                trainable=False,
+                name=name,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+
+        # Attributes of the optimizer: tf_keras checkpoints save them.
+        self.keras_dist_accumulators = [
+            local(tf.zeros(v.shape, v.dtype), f"accumulator_{i}")
+            for i, v in enumerate(variables)
+        ]
+        self.keras_dist_examples = local(tf.zeros((), tf.float32), "examples")
+        self.keras_dist_pending = shared(0, "pending_micro_steps")
+        self.keras_dist_micro_steps = shared(0, "micro_steps")
+        self.keras_dist_steps = shared(self._keras_dist_steps, "accumulation_steps")
+        self._keras_dist_cycle = _accumulation.AccumulationCycle(
+            self.keras_dist_accumulators,
+            self.keras_dist_examples,
+            self.keras_dist_pending,
+            self.keras_dist_micro_steps,
+            self.keras_dist_steps,
+            variables,
+        )
+
+    @property
+    def micro_steps(self):
+        """Micro-steps seen so far (`None` without accumulation)."""
+        cycle = self._keras_dist_cycle
+        return None if cycle is None else cycle.micro_steps
+
+
+@functools.cache
+def _distributed_class(base):
+    # The class keeps the wrapped class's name: tf_keras saves the optimizer
+    # by its class name, so a saved model loads with the plain optimizer.
+    return type(base.__name__, (_DistributedMixin, base), {})
+
+
+class UpdatePruningStep(tf_keras.callbacks.Callback):
+    """tfmot's `UpdatePruningStep`, counting optimizer updates.
+
+    tfmot advances the pruning schedule once per batch. With gradient
+    accumulation a batch is a micro-step, and the schedule (`begin_step`,
+    `frequency`, `end_step`) is meant in updates: this callback sets every
+    pruned layer's step to the optimizer's `iterations` (updates) before
+    each batch, so the schedule advances once per update. Without
+    accumulation it is tfmot's callback.
+
+    Use it instead of `tfmot.sparsity.keras.UpdatePruningStep` in `fit`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        import tensorflow_model_optimization as tfmot
+
+        self._inner = tfmot.sparsity.keras.UpdatePruningStep()
+
+    def set_model(self, model):
+        super().set_model(model)
+        self._inner.set_model(model)
+
+    def on_train_begin(self, logs=None):
+        self._inner.on_train_begin(logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._inner.on_train_batch_begin(batch, logs)
+        updates = self.model.optimizer.iterations
+        steps = [(weight, updates) for weight in self._inner.prune_step_weights]
+        tf_keras.backend.batch_set_value(
+            [(weight, int(value.numpy())) for weight, value in steps]
+        )
+
+    def on_epoch_end(self, batch, logs=None):
+        self._inner.on_epoch_end(batch, logs)
