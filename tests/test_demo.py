@@ -1,6 +1,7 @@
-"""`keras-dist demo`: its output off a terminal, its `--out` check, its note."""
+"""`keras-dist demo`: its run and files, output off a terminal, `--out`, its note."""
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -25,10 +26,11 @@ def _result(name, replicas, accuracy):
     )
 
 
-def test_demo_through_a_pipe_prints_no_control_codes(tmp_path):
-    # The smallest run: 2 replicas, 1 epoch; stdout is a pipe, not a terminal.
+def test_demo_through_a_pipe_writes_its_table_without_control_codes(tmp_path):
+    # Every configuration on 2 replicas for 2 epochs; stdout is a pipe, not a
+    # terminal. One run for what the demo prints and what it writes.
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO_ROOT))
-    args = ["demo", "--replicas", "2", "--epochs", "1", "--out", str(tmp_path)]
+    args = ["demo", "--replicas", "2", "--epochs", "2", "--out", str(tmp_path)]
     result = subprocess.run(
         [sys.executable, "-m", "keras_dist", *args],
         stdout=subprocess.PIPE,
@@ -47,6 +49,15 @@ def test_demo_through_a_pipe_prints_no_control_codes(tmp_path):
     written = (tmp_path / "results.md").read_text()
     assert written.startswith("| configuration |")
     assert "throughput cannot grow with replicas here" in " ".join(written.split())
+    results = json.loads((tmp_path / "results.json").read_text())
+    names = [r["name"] for r in results["results"]]
+    assert names[0] == "1 replica"
+    assert any("accumulation" in name for name in names)
+    for row in results["results"]:
+        assert row["test_accuracy"] > 0.5, row
+    two = next(r for r in results["results"] if r["name"].endswith("replicas"))
+    assert two["bytes_per_step"] > 0
+    assert (tmp_path / "results.png").exists()
 
 
 class _Terminal(io.StringIO):
