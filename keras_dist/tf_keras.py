@@ -38,6 +38,8 @@ model.fit(tf.zeros((64, 4)), tf.zeros((64, 1)), batch_size=16, verbose=0)
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 
 import tensorflow as tf
 
@@ -53,7 +55,49 @@ from keras_dist import _accumulation, _aggregation
 from keras_dist._validation import check_bool, check_int
 from keras_dist.compression.base import AllReduceHook, NoCompression
 
-__all__ = ["DistributedOptimizer", "UpdatePruningStep"]
+__all__ = ["DistributedOptimizer", "UpdatePruningStep", "import_tfmot"]
+
+_LEGACY_KERAS_VAR = "TF_USE_LEGACY_KERAS"
+
+
+def import_tfmot():
+    """Imports tensorflow-model-optimization without switching `tf.keras`.
+
+    tfmot sets `TF_USE_LEGACY_KERAS=1` when it is imported. In a process
+    that has not touched `tf.keras` yet, tfmot's own first access then binds
+    `tf.keras` to tf_keras for the rest of the process, so Keras 3 code that
+    uses `tf.keras.layers...` afterwards gets Keras 2 layers and fails.
+    This resolves `tf.keras` first (Keras 3, unless the process chose
+    otherwise), imports tfmot, and puts the variable back. tfmot itself
+    uses tf_keras either way. `import keras_dist.tf_keras` calls it when
+    tfmot is installed; later `import tensorflow_model_optimization` gets
+    the same module.
+
+    Returns:
+        The `tensorflow_model_optimization` module.
+
+    Raises:
+        ImportError: tfmot is not installed.
+    """
+    previous = os.environ.get(_LEGACY_KERAS_VAR)
+    getattr(tf.keras, "version", None)  # resolve tf.keras as this process sees it
+    try:
+        import tensorflow_model_optimization as tfmot
+    except ImportError as error:
+        raise ImportError(
+            "tensorflow-model-optimization is not installed. Install it with "
+            '`pip install "keras-dist[tfmot]"`.'
+        ) from error
+    finally:
+        if previous is None:
+            os.environ.pop(_LEGACY_KERAS_VAR, None)
+        else:
+            os.environ[_LEGACY_KERAS_VAR] = previous
+    return tfmot
+
+
+if importlib.util.find_spec("tensorflow_model_optimization") is not None:
+    import_tfmot()
 
 _OPTIMIZER_TYPES = (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer)
 
@@ -296,21 +340,20 @@ def _distributed_class(base):
 class UpdatePruningStep(tf_keras.callbacks.Callback):
     """tfmot's `UpdatePruningStep`, counting optimizer updates.
 
-    tfmot advances the pruning schedule once per batch. With gradient
-    accumulation a batch is a micro-step, and the schedule (`begin_step`,
-    `frequency`, `end_step`) is meant in updates: this callback sets every
-    pruned layer's step to the optimizer's `iterations` (updates) before
-    each batch, so the schedule advances once per update. Without
-    accumulation it is tfmot's callback.
+    tfmot advances a pruned layer's step once per batch (in the layer's
+    call). With gradient accumulation a batch is a micro-step, while the
+    schedule (`begin_step`, `frequency`, `end_step`) is meant in updates:
+    this callback sets every pruned layer's step to the optimizer's
+    `iterations` (the updates so far) before each batch, so the schedule
+    advances once per update and the micro-steps of one update prune alike.
+    Without accumulation it does what tfmot's callback does.
 
     Use it instead of `tfmot.sparsity.keras.UpdatePruningStep` in `fit`.
     """
 
     def __init__(self):
         super().__init__()
-        import tensorflow_model_optimization as tfmot
-
-        self._inner = tfmot.sparsity.keras.UpdatePruningStep()
+        self._inner = import_tfmot().sparsity.keras.UpdatePruningStep()
 
     def set_model(self, model):
         super().set_model(model)
@@ -320,12 +363,10 @@ class UpdatePruningStep(tf_keras.callbacks.Callback):
         self._inner.on_train_begin(logs)
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._inner.on_train_batch_begin(batch, logs)
-        updates = self.model.optimizer.iterations
-        steps = [(weight, updates) for weight in self._inner.prune_step_weights]
+        updates = int(self.model.optimizer.iterations.numpy())
         tf_keras.backend.batch_set_value(
-            [(weight, int(value.numpy())) for weight, value in steps]
+            [(layer.pruning_step, updates) for layer in self._inner.prunable_layers]
         )
 
-    def on_epoch_end(self, batch, logs=None):
-        self._inner.on_epoch_end(batch, logs)
+    def on_epoch_end(self, epoch, logs=None):
+        self._inner.on_epoch_end(epoch, logs)

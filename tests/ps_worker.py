@@ -166,9 +166,10 @@ def train():
     )
     result["numpy_loss"] = float(np.mean(keras.ops.convert_to_numpy(losses)))
 
-    # A dataset function: each worker builds its own input, sharded by its
-    # input context; every batch is full, so the metric's count shows that
-    # the epoch's logs hold every worker's steps.
+    # A dataset function: every worker runs its dataset (TensorFlow gives
+    # each the context pipeline 0 of 1 under parameter servers, so the shard
+    # is the whole set); every batch is full, so the metric's count shows
+    # that the epoch's logs hold every worker's steps.
     def dataset_fn(context):
         dataset = tf.data.Dataset.from_tensor_slices((x_train, y_train))
         dataset = dataset.shard(context.num_input_pipelines, context.input_pipeline_id)

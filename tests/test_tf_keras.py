@@ -1,0 +1,265 @@
+"""The tf_keras front end (`keras_dist.tf_keras`) and tfmot under distribution.
+
+Equality with one device for `DistributedOptimizer` (the same core as the
+Keras 3 pieces), on 2 logical CPU replicas and on 2 worker processes;
+tfmot's pruning with compression and accumulation; import isolation.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+import tf_keras_workers as tkw
+from helpers import max_abs_diff
+
+import keras_dist
+from keras_dist.testing import run_workers
+from keras_dist.tf_keras import DistributedOptimizer, import_tfmot
+
+NAMES = sorted(tkw.optimizers())
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+@pytest.mark.parametrize("name", NAMES)
+def test_two_replicas_equal_one_device(mirrored, name, accumulation_steps):
+    # 2 replicas x micro-batch 16 (x 2 micro-steps) = one device's batch.
+    reference = tkw.one_device(name, batch_size=32 * accumulation_steps, epochs=3)
+    model = tkw.distributed_fit(
+        mirrored(2), name, accumulation_steps, 32, epochs=3, hook=None
+    )
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
+    # `iterations` counts updates, as on one device.
+    assert int(model.optimizer.iterations.numpy()) == int(
+        reference.optimizer.iterations.numpy()
+    )
+    assert type(model.optimizer).__name__ == type(reference.optimizer).__name__
+    assert isinstance(model.optimizer, type(reference.optimizer))
+
+
+def test_clipping_acts_on_the_reduced_gradient(mirrored):
+    # With a tight global_clipnorm, clipping each replica's gradient before
+    # the sum (stock tf_keras with aggregation) would differ from one device.
+    reference = tkw.one_device("adam_clip", batch_size=32, epochs=2)
+    model = tkw.distributed_fit(mirrored(2), "adam_clip", 1, 32, epochs=2, hook=None)
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
+
+
+def test_legacy_optimizer_without_accumulation(mirrored):
+    x, y = tkw.data()
+    reference = tkw.mlp(tf_keras.optimizers.legacy.Adam(0.01, clipnorm=0.1))
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    with mirrored(2).scope():
+        model = tkw.mlp(
+            DistributedOptimizer(tf_keras.optimizers.legacy.Adam(0.01, clipnorm=0.1))
+        )
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-5
+
+
+def test_a_compression_hook_compresses_and_still_trains(mirrored):
+    with mirrored(2).scope():
+        hook = keras_dist.compression.FP16()
+        model = tkw.mlp(
+            DistributedOptimizer(
+                tf_keras.optimizers.SGD(0.1), all_reduce_hook=hook, accumulation_steps=2
+            )
+        )
+    x, y = tkw.data()
+    before = model.evaluate(x, y, verbose=0)
+    model.fit(x, y, batch_size=16, epochs=5, shuffle=False, verbose=0)
+    assert model.evaluate(x, y, verbose=0) < before
+    assert hook.stats().ratio == pytest.approx(2.0)
+    reference = tkw.one_device("sgd", batch_size=32, epochs=5)
+    # FP16 rounds each replica's gradient: close to one device, not equal.
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-3
+
+
+def test_checkpoint_mid_accumulation_resumes_exactly(mirrored, tmp_path):
+    """Saved after 3 micro-steps (one update and one pending), restored into
+    a new model, 1 more micro-step: equal to 4 micro-steps without a stop."""
+    x, y = tkw.data()
+    strategy = mirrored(2)
+
+    def fresh():
+        with strategy.scope():
+            return tkw.mlp(
+                DistributedOptimizer(
+                    tf_keras.optimizers.Adam(0.01), accumulation_steps=2
+                )
+            )
+
+    straight = fresh()
+    straight.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    first = fresh()
+    first.fit(x[:48], y[:48], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(
+        str(tmp_path / "ckpt")
+    )
+    second = fresh()
+    # Creates the optimizer's variables; the restore overwrites all of them.
+    second.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)
+    tf.train.Checkpoint(model=second, optimizer=second.optimizer).restore(
+        path
+    ).assert_existing_objects_matched()
+    assert int(second.optimizer.keras_dist_pending.numpy()) == 1
+    assert int(second.optimizer.iterations.numpy()) == 1
+    second.fit(x[48:], y[48:], batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert int(second.optimizer.iterations.numpy()) == 2
+    assert max_abs_diff(straight.get_weights(), second.get_weights()) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (
+            lambda: DistributedOptimizer(__import__("keras").optimizers.Adam()),
+            TypeError,
+            r"must be a tf_keras optimizer.*Keras 3 optimizer trains Keras 3",
+        ),
+        (
+            lambda: DistributedOptimizer(
+                tf_keras.optimizers.legacy.SGD(), accumulation_steps=2
+            ),
+            ValueError,
+            r"needs a current tf_keras optimizer.*tf_keras.optimizers.SGD",
+        ),
+        (
+            lambda: DistributedOptimizer(
+                tf_keras.optimizers.SGD(), accumulation_steps=0
+            ),
+            ValueError,
+            r"accumulation_steps",
+        ),
+        (
+            lambda: DistributedOptimizer(
+                tf_keras.optimizers.SGD(), all_reduce_hook=keras_dist.compression.FP16
+            ),
+            TypeError,
+            r"Pass an instance: `FP16\(\)`",
+        ),
+        (
+            lambda: DistributedOptimizer(
+                DistributedOptimizer(tf_keras.optimizers.SGD())
+            ),
+            ValueError,
+            r"already a DistributedOptimizer",
+        ),
+    ],
+)
+def test_bad_arguments_are_clear_errors(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_pruning_on_two_replicas_with_fp16_and_accumulation(mirrored):
+    result = tkw.pruned_fit(mirrored(2))
+    # Within 1 percentage point of the 80% target, every pruned layer.
+    for name, sparsity in result["sparsity"].items():
+        assert abs(sparsity - 0.8) <= 0.01, (name, sparsity)
+    # Masks identical on both replicas.
+    for replicas in result["masks"]:
+        np.testing.assert_array_equal(replicas[0], replicas[1])
+    # The schedule counted updates, not micro-steps: the pruning step ends at
+    # the number of updates (+1 from the last batch's own increment).
+    assert result["updates"] == result["expected_updates"]
+    assert set(result["pruning_steps"]) == {result["updates"]}
+    assert result["accuracy"] >= 0.85
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_two_worker_processes_equal_one_device_and_prune_alike():
+    results = run_workers(
+        tkw.multi_worker_all, num_workers=2, args=(NAMES,), timeout=400
+    )
+    for name in NAMES:
+        reference = tkw.one_device(name, batch_size=32, epochs=2)
+        for worker in results:
+            got = worker["equality"][name]
+            assert max_abs_diff(reference.get_weights(), got["weights"]) < 1e-5, name
+            assert got["iterations"] == 4
+    first, second = (worker["pruning"] for worker in results)
+    assert max_abs_diff(first["weights"], second["weights"]) == 0
+    for sparsity in first["sparsity"].values():
+        assert abs(sparsity - 0.8) <= 0.01
+    assert first["updates"] == first["expected_updates"]
+
+
+ISOLATION = r"""
+import json, os, sys
+import keras_dist
+report = {"after_keras_dist": sorted(
+    m for m in ("tf_keras", "tensorflow_model_optimization") if m in sys.modules)}
+import tensorflow as tf
+import keras
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+model.fit(tf.zeros((8, 3)), tf.zeros((8, 1)), verbose=0)
+if sys.argv[1] == "keras_dist":
+    import keras_dist.tf_keras
+    import tensorflow_model_optimization as tfmot
+else:
+    import tensorflow_model_optimization as tfmot
+report["tf_keras_is"] = tf.keras.__name__
+report["variable"] = os.environ.get("TF_USE_LEGACY_KERAS")
+# Keras 3 code that uses tf.keras keeps working (or not) after the import.
+try:
+    mixed = keras.Sequential([keras.Input((3,)), tf.keras.layers.Dense(1)])
+    mixed.compile("sgd", "mse")
+    mixed.fit(tf.zeros((8, 3)), tf.zeros((8, 1)), verbose=0)
+    report["keras3_with_tf_keras_layers"] = "ok"
+except Exception as error:
+    report["keras3_with_tf_keras_layers"] = type(error).__name__
+model.fit(tf.zeros((8, 3)), tf.zeros((8, 1)), verbose=0)
+pruned = tfmot.sparsity.keras.prune_low_magnitude(
+    sys.modules["tf_keras"].Sequential([sys.modules["tf_keras"].layers.Dense(
+        2, input_shape=(3,))]))
+report["tfmot_works"] = type(pruned).__name__
+print(json.dumps(report))
+"""
+
+
+def _isolation(how):
+    completed = subprocess.run(
+        [sys.executable, "-c", ISOLATION, how],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_import_keras_dist_imports_neither_tf_keras_nor_tfmot():
+    report = _isolation("keras_dist")
+    assert report["after_keras_dist"] == []
+
+
+def test_keras_dist_tf_keras_imports_tfmot_without_switching_tf_keras():
+    report = _isolation("keras_dist")
+    assert report["tf_keras_is"].startswith("keras")
+    assert not report["tf_keras_is"].startswith("tf_keras")
+    assert report["variable"] is None
+    assert report["keras3_with_tf_keras_layers"] == "ok"
+    assert report["tfmot_works"] == "PruneLowMagnitude"
+
+
+def test_plain_tfmot_import_switches_tf_keras_to_keras_2():
+    # What keras_dist.tf_keras guards against: tfmot 0.8.1 alone sets
+    # TF_USE_LEGACY_KERAS=1 and binds tf.keras to tf_keras for the process.
+    # If this starts failing, tfmot stopped doing it.
+    report = _isolation("tfmot")
+    assert report["tf_keras_is"].startswith("tf_keras")
+    assert report["variable"] == "1"
+    assert report["keras3_with_tf_keras_layers"] != "ok"
+
+
+def test_import_tfmot_is_the_same_module():
+    import tensorflow_model_optimization
+
+    assert import_tfmot() is tensorflow_model_optimization
