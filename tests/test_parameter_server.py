@@ -101,6 +101,10 @@ def test_evaluate_and_predict_are_exact_and_in_order(trained):
         result["numpy_accuracy"], abs=1e-6
     )
     assert result["evaluate"]["loss"] == pytest.approx(result["numpy_loss"], rel=1e-5)
+    # Without return_dict: [loss, accuracy], as Keras returns them.
+    assert result["evaluate_list"] == pytest.approx(
+        [result["evaluate"]["loss"], result["evaluate"]["accuracy"]]
+    )
     # The last epoch's validation is the same evaluation.
     assert result["history"]["val_accuracy"][-1] == pytest.approx(
         result["evaluate"]["accuracy"], abs=1e-6
