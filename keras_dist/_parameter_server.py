@@ -440,15 +440,8 @@ def fit(
     cluster = coordinator(strategy)
     iterator = iter(cluster.create_per_worker_dataset(distributed))
     train = _train_function(model, strategy)
-    verbose = 1 if verbose == "auto" else verbose
-    callback_list = keras.callbacks.CallbackList(
-        callbacks,
-        add_history=True,
-        add_progbar=verbose != 0,
-        model=model,
-        verbose=verbose,
-        epochs=epochs,
-        steps=steps,
+    callback_list = _callback_list(
+        model, callbacks, verbose, steps, epochs=epochs, history=True
     )
     model.stop_training = False
     chunk = max(1, int(model.steps_per_execution))
@@ -538,22 +531,11 @@ def evaluate(
     """`DistributedModel.evaluate` under `ParameterServerStrategy`."""
     strategy = model.distribute_strategy
     check_model(model, callbacks)
-    batches = _local_batches(x, y, sample_weight, batch_size, steps)
-    first = next(batches, None)
-    if first is None:
-        raise ValueError("The data given to `evaluate` is empty: it yields no batch.")
+    first, batches = _first_and_rest("evaluate", x, y, sample_weight, batch_size, steps)
     build(model, strategy, first)
     cluster = coordinator(strategy)
     if callback_list is None:
-        verbose = 1 if verbose == "auto" else verbose
-        callback_list = keras.callbacks.CallbackList(
-            callbacks,
-            add_progbar=verbose != 0,
-            model=model,
-            verbose=verbose,
-            epochs=1,
-            steps=steps,
-        )
+        callback_list = _callback_list(model, callbacks, verbose, steps)
     test = _batch_function(model, strategy, model.test_step, "test")
     in_flight = _InFlight(
         _IN_FLIGHT_PER_WORKER * num_workers(strategy), callback_list.on_test_batch_end
@@ -578,24 +560,13 @@ def evaluate(
 def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
     """`DistributedModel.predict` under `ParameterServerStrategy`, in order."""
     strategy = model.distribute_strategy
-    batches = _local_batches(x, None, None, batch_size, steps)
-    first = next(batches, None)
-    if first is None:
-        raise ValueError("The data given to `predict` is empty: it yields no batch.")
+    first, batches = _first_and_rest("predict", x, None, None, batch_size, steps)
     with strategy.scope():
         if not model.built:
             inputs, _, _ = keras.utils.unpack_x_y_sample_weight(first)
             model(inputs)
     cluster = coordinator(strategy)
-    verbose = 1 if verbose == "auto" else verbose
-    callback_list = keras.callbacks.CallbackList(
-        callbacks,
-        add_progbar=verbose != 0,
-        model=model,
-        verbose=verbose,
-        epochs=1,
-        steps=steps,
-    )
+    callback_list = _callback_list(model, callbacks, verbose, steps)
     predict_batch = _batch_function(model, strategy, model.predict_step, "predict")
     remotes = []
     callback_list.on_predict_begin()
@@ -612,6 +583,28 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
     callback_list.on_predict_end()
     return keras.tree.map_structure_up_to(
         outputs[0], lambda *parts: np.concatenate(parts), *outputs
+    )
+
+
+def _first_and_rest(what, x, y, sample_weight, batch_size, steps):
+    batches = _local_batches(x, y, sample_weight, batch_size, steps)
+    first = next(batches, None)
+    if first is None:
+        raise ValueError(f"The data given to `{what}` is empty: it yields no batch.")
+    return first, batches
+
+
+def _callback_list(model, callbacks, verbose, steps, epochs=1, history=False):
+    """Keras's `CallbackList`, with its progress bar and History, as `fit` makes."""
+    verbose = 1 if verbose == "auto" else verbose
+    return keras.callbacks.CallbackList(
+        callbacks,
+        add_history=history,
+        add_progbar=verbose != 0,
+        model=model,
+        verbose=verbose,
+        epochs=epochs,
+        steps=steps,
     )
 
 
