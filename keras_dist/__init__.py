@@ -71,6 +71,8 @@ _PUBLIC = {
     "optimizers": ("keras_dist.optimizers", None),
     "strategy": ("keras_dist.strategy", None),
     "testing": ("keras_dist.testing", None),
+    # Imports tf_keras (and tfmot, when installed) on first access only.
+    "tf_keras": ("keras_dist.tf_keras", None),
 }
 
 __all__ = sorted(_PUBLIC)

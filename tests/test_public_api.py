@@ -25,6 +25,7 @@ SUBMODULES = (
     "optimizers",
     "strategy",
     "testing",
+    "tf_keras",
 )
 
 
