@@ -332,9 +332,15 @@ class _DistributedMixin:
 
 @functools.cache
 def _distributed_class(base):
-    # The class keeps the wrapped class's name: tf_keras saves the optimizer
-    # by its class name, so a saved model loads with the plain optimizer.
-    return type(base.__name__, (_DistributedMixin, base), {})
+    # The class keeps the wrapped class's name and module: tf_keras saves
+    # the optimizer by them, so a saved model loads with the plain optimizer
+    # (its slots and `iterations` included; the accumulators are not part
+    # of the model file: `tf.train.Checkpoint` saves them).
+    return type(
+        base.__name__,
+        (_DistributedMixin, base),
+        {"__module__": base.__module__, "__qualname__": base.__qualname__},
+    )
 
 
 class UpdatePruningStep(tf_keras.callbacks.Callback):

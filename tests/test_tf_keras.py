@@ -263,3 +263,34 @@ def test_import_tfmot_is_the_same_module():
     import tensorflow_model_optimization
 
     assert import_tfmot() is tensorflow_model_optimization
+
+
+@pytest.mark.parametrize("file_name", ["model.keras", "model.h5"])
+def test_model_save_keeps_weights_and_optimizer_state(mirrored, tmp_path, file_name):
+    x, y = tkw.data()
+    with mirrored(2).scope():
+        model = tkw.mlp(DistributedOptimizer(tf_keras.optimizers.Adam(0.01)))
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    model.save(tmp_path / file_name)
+    loaded = tf_keras.models.load_model(tmp_path / file_name)
+    assert max_abs_diff(model.get_weights(), loaded.get_weights()) == 0
+    # It loads as the plain optimizer (same class name and module), with
+    # its slots and iteration count.
+    assert type(loaded.optimizer) is tf_keras.optimizers.Adam
+    saved = [v.numpy() for v in model.optimizer.variables]
+    assert max_abs_diff(saved, [v.numpy() for v in loaded.optimizer.variables]) == 0
+
+
+def test_without_tf_keras_the_error_says_what_to_install():
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.modules['tf_keras'] = None\nimport keras_dist.tf_keras",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode != 0
+    assert 'pip install "keras-dist[tfmot]"' in completed.stderr
