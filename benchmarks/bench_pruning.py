@@ -39,10 +39,13 @@ is importable.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 from _common import (
+    REPO_ROOT,
     RunClock,
     command,
     import_stack,
@@ -55,7 +58,6 @@ from _common import (
 
 NUM_LOGICAL_CPUS = 2
 UPDATE_BATCH = 64  # examples per update, every configuration
-TRAIN_EXAMPLES = 1500
 LEARNING_RATE = 0.005
 TARGET = 0.8
 PRUNING_FREQUENCY = 10
@@ -83,32 +85,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def digits(np):
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
-    x = (x[order] / 16.0).astype("float32").reshape(-1, 8, 8, 1)
-    y = y[order].astype("int32")
-    return (
-        x[:TRAIN_EXAMPLES],
-        y[:TRAIN_EXAMPLES],
-        x[TRAIN_EXAMPLES:],
-        y[TRAIN_EXAMPLES:],
-    )
-
-
-def digits_cnn(tf_keras):
-    return tf_keras.Sequential(
-        [
-            tf_keras.layers.Conv2D(16, 3, activation="relu", input_shape=(8, 8, 1)),
-            tf_keras.layers.Flatten(),
-            tf_keras.layers.Dense(64, activation="relu"),
-            tf_keras.layers.Dense(10),
-        ]
-    )
-
-
 def run_one(tf, np, keras_dist, strategy, data, config, seed, epochs):
     import tf_keras
 
@@ -119,6 +95,8 @@ def run_one(tf, np, keras_dist, strategy, data, config, seed, epochs):
     )
 
     tfmot = import_tfmot()
+    from prune_distributed import digits_cnn
+
     label, hook_name, accumulation_steps = config
     x, y, x_test, y_test = data
     global_micro = UPDATE_BATCH // accumulation_steps
@@ -296,7 +274,11 @@ def main(argv=None):
 
     tfmot = import_tfmot()
     strategy = keras_dist.auto_strategy(cpu_replicas=NUM_LOGICAL_CPUS)
-    data = digits(np)
+    # The example's data and model: one definition for both.
+    sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
+    from prune_distributed import digits
+
+    data = digits(SPLIT_SEED)
     runs = []
     for round_index, seed in enumerate(args.seeds):
         order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
@@ -326,7 +308,7 @@ def main(argv=None):
             "model": "tf_keras Conv2D(16, 3)-Flatten-Dense(64)-Dense(10)",
             "optimizer": f"DistributedOptimizer(tf_keras Adam({LEARNING_RATE}))",
             "examples_per_update": UPDATE_BATCH,
-            "train_examples": TRAIN_EXAMPLES,
+            "train_examples": len(data[0]),
             "split_seed": SPLIT_SEED,
             "epochs": args.epochs,
             "seeds": args.seeds,
