@@ -453,27 +453,37 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
         things work: `jit_compile` compiles the step only (never the
         iterator op), `steps_per_execution > 1` loops in one graph over one
         traced step, and optional inputs fed as `None` arrive as `None`.
-        Only the reduction of the step outputs differs
-        (`_reduce_step_outputs`).
+        What differs is the reduction of the step outputs
+        (`_reduce_step_outputs`), and that it happens once per call, after
+        the last step of the `steps_per_execution` chunk: only that step's
+        logs reach Keras, and under MultiWorkerMirroredStrategy reading the
+        metric state is a collective, which the other steps need not pay.
         """
         strategy = self.distribute_strategy
 
         @tf.autograph.experimental.do_not_convert
+        def run_on_data(data):
+            # Per-replica outputs: no collective beyond the step's own.
+            return strategy.run(step_function, args=(data,))
+
+        @tf.autograph.experimental.do_not_convert
         def one_step_on_data(data):
-            outputs = strategy.run(step_function, args=(data,))
-            return self._reduce_step_outputs(outputs)
+            return self._reduce_step_outputs(run_on_data(data))
 
         if not self.run_eagerly:
+            run_on_data = tf.function(
+                run_on_data, reduce_retracing=True, jit_compile=self.jit_compile
+            )
             one_step_on_data = tf.function(
                 one_step_on_data, reduce_retracing=True, jit_compile=self.jit_compile
             )
+        run_on_data = _optionals_as_none(run_on_data)
         step_on_data = _optionals_as_none(one_step_on_data)
 
         @tf.autograph.experimental.do_not_convert
         def step_on_iterator(iterator):
-            outputs = step_on_data(iterator.get_next())
             if self.steps_per_execution == 1:
-                return outputs
+                return step_on_data(iterator.get_next())
 
             def more(step, outputs, next_data):
                 del outputs
@@ -483,7 +493,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
 
             def run_one(step, outputs, next_data):
                 del outputs
-                outputs = step_on_data(next_data.get_value())
+                outputs = run_on_data(next_data.get_value())
                 # Never read a batch past `steps_per_execution`: the next
                 # call of the function starts with it.
                 next_data = tf.cond(
@@ -493,12 +503,18 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
                 )
                 return step + 1, outputs, next_data
 
+            # The loop carries the last step's per-replica outputs; they
+            # are reduced once, after it.
             _, outputs, _ = tf.while_loop(
                 more,
                 run_one,
-                [tf.constant(1), outputs, iterator.get_next_as_optional()],
+                [
+                    tf.constant(1),
+                    run_on_data(iterator.get_next()),
+                    iterator.get_next_as_optional(),
+                ],
             )
-            return outputs
+            return self._reduce_step_outputs(outputs)
 
         if not self.run_eagerly:
             step_on_iterator = tf.function(step_on_iterator, reduce_retracing=True)
@@ -509,11 +525,15 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
             ):
                 return step_on_iterator(iterator)
             # An iterator of distributed batches built in Python (the epoch
-            # iterator of numpy data can hand out lists of batches).
-            outputs = None
-            for _, data in zip(range(self.steps_per_execution), iterator):
-                outputs = step_on_data(data)
-            return outputs
+            # iterator of numpy data can hand out lists of batches). One
+            # batch is held back so the chunk's last step is the one that
+            # reduces.
+            data = None
+            for _, next_data in zip(range(self.steps_per_execution), iterator):
+                if data is not None:
+                    run_on_data(data)
+                data = next_data
+            return None if data is None else step_on_data(data)
 
         return function
 

@@ -1,0 +1,134 @@
+"""DistributedModel's logs: reduced once per `steps_per_execution` chunk.
+
+Only the last step of a chunk hands its logs to Keras, so only it reads the
+metric state across replicas (a collective per metric variable under
+MultiWorkerMirroredStrategy). The logs Keras sees must not change: the
+reference is the same training at `steps_per_execution=1`, where every step
+is a chunk and every step's logs are reduced.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import make_data, max_abs_diff, mlp
+from step_logs_workers import BATCH, CHUNK, EXAMPLES, fit_logs, multi_worker_fit_logs
+
+import keras_dist
+from keras_dist import compression
+from keras_dist.testing import run_workers
+
+STEPS_PER_EPOCH = EXAMPLES // BATCH
+
+
+def _chunk_end(batch):
+    # Keras reports a partial last chunk at its nominal end (`begin + spe - 1`).
+    return min(batch, STEPS_PER_EPOCH - 1)
+
+
+def assert_same_logs(reference, chunked):
+    """`chunked` (steps_per_execution > 1) logged what `reference` (1) did."""
+    assert sorted(chunked["history"]) == sorted(reference["history"])
+    for key, values in reference["history"].items():
+        np.testing.assert_allclose(chunked["history"][key], values, rtol=1e-6)
+    for kind in ("train_batches", "test_batches"):
+        by_step = {(epoch, batch): logs for epoch, batch, logs in reference[kind]}
+        assert chunked[kind], kind
+        for epoch, batch, logs in chunked[kind]:
+            expected = by_step[(epoch, _chunk_end(batch))]
+            assert sorted(logs) == sorted(expected), (kind, epoch, batch)
+            for key, value in expected.items():
+                np.testing.assert_allclose(logs[key], value, rtol=1e-6)
+    assert reference["evaluate"].keys() == chunked["evaluate"].keys()
+    for key, value in reference["evaluate"].items():
+        np.testing.assert_allclose(chunked["evaluate"][key], value, rtol=1e-6)
+    assert max_abs_diff(reference["weights"], chunked["weights"]) < 1e-6
+
+
+@pytest.mark.parametrize("hook", [None, "FP16"])
+def test_chunk_logs_equal_stepwise_logs_on_two_replicas(hook, mirrored):
+    strategy = mirrored(2)
+
+    def run(steps):
+        return fit_logs(
+            steps,
+            strategy=strategy,
+            hook=None if hook is None else getattr(compression, hook)(),
+        )
+
+    reference, chunked = run(1), run(CHUNK)
+    # One batch-end call per chunk: a full chunk of 4, then the last 2.
+    assert [batch for epoch, batch, _ in chunked["train_batches"] if epoch == 0] == [
+        3,
+        7,
+    ]
+    assert_same_logs(reference, chunked)
+    if hook is not None:
+        assert chunked["history"]["compression_ratio"] == [2.0, 2.0]
+
+
+def test_chunk_logs_run_eagerly(mirrored):
+    strategy = mirrored(2)
+    reference = fit_logs(1, strategy=strategy)
+    assert_same_logs(reference, fit_logs(CHUNK, strategy=strategy, run_eagerly=True))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_chunk_logs_one_device(jit_compile):
+    reference = fit_logs(1, jit_compile=jit_compile)
+    assert_same_logs(reference, fit_logs(CHUNK, jit_compile=jit_compile))
+
+
+def test_python_iterator_logs(mirrored):
+    """The path for Python iterators of batches (`train_on_batch` hands one)."""
+    strategy = mirrored(2)
+    x, y = make_data(n=3 * BATCH)
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    )
+    logs = {}
+    for steps in (1, CHUNK):
+        with strategy.scope():
+            model = mlp(keras_dist.DistributedModel)
+            model.compile(
+                optimizer="sgd",
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+                steps_per_execution=steps,
+            )
+        first = model.train_on_batch(x[:BATCH], y[:BATCH], return_dict=True)
+        # The other two batches in one call: one chunk, reduced once.
+        batches = list(dataset)[1:]
+        if steps == 1:
+            for batch in batches:
+                last = model.train_function(iter([batch]))
+        else:
+            last = model.train_function(iter(batches))
+        logs[steps] = [first, {key: float(value) for key, value in last.items()}]
+    for one, chunked in zip(logs[1], logs[CHUNK]):
+        assert one.keys() == chunked.keys()
+        for key, value in one.items():
+            np.testing.assert_allclose(chunked[key], value, rtol=1e-6)
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("hook", [None, "FP16"])
+def test_multi_worker_chunk_logs_and_collectives(hook):
+    results = run_workers(
+        multi_worker_fit_logs, num_workers=2, args=(hook,), timeout=400
+    )
+    for worker in results:
+        reference, chunked = worker[1], worker[CHUNK]
+        assert_same_logs(reference, chunked)
+        # A step costs its own collectives (the gradients' all-reduce, the
+        # batch-size sum, the iterator's "any data left" vote) and, when its
+        # logs are reduced, the reduction: one small all-reduce per metric
+        # variable read, one per other value. Inside a chunk the steps do
+        # not reduce; only the chunk's last one does, once per call.
+        metric_reads = chunked["metric_read_collectives"]
+        assert metric_reads > 0
+        stepwise = reference["collectives"]["per_call"]
+        loop_step = chunked["collectives"]["per_loop_step"]
+        assert 0 < loop_step <= stepwise - metric_reads, (stepwise, loop_step)
+    # Both workers hand out the same logs.
+    assert_same_logs(results[0][1], results[1][1])
