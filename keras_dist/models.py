@@ -462,23 +462,27 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
         strategy = self.distribute_strategy
 
         @tf.autograph.experimental.do_not_convert
-        def run_on_data(data):
+        def one_step_on_data(data):
             # Per-replica outputs: no collective beyond the step's own.
             return strategy.run(step_function, args=(data,))
 
         @tf.autograph.experimental.do_not_convert
-        def one_step_on_data(data):
-            return self._reduce_step_outputs(run_on_data(data))
+        def one_reduced_step_on_data(data):
+            return self._reduce_step_outputs(one_step_on_data(data))
 
         if not self.run_eagerly:
             run_on_data = tf.function(
-                run_on_data, reduce_retracing=True, jit_compile=self.jit_compile
-            )
-            one_step_on_data = tf.function(
                 one_step_on_data, reduce_retracing=True, jit_compile=self.jit_compile
             )
+            step_on_data = tf.function(
+                one_reduced_step_on_data,
+                reduce_retracing=True,
+                jit_compile=self.jit_compile,
+            )
+        else:
+            run_on_data, step_on_data = one_step_on_data, one_reduced_step_on_data
         run_on_data = _optionals_as_none(run_on_data)
-        step_on_data = _optionals_as_none(one_step_on_data)
+        step_on_data = _optionals_as_none(step_on_data)
 
         @tf.autograph.experimental.do_not_convert
         def step_on_iterator(iterator):
