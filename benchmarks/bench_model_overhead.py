@@ -20,20 +20,40 @@ Usage:
     python benchmarks/bench_model_overhead.py [--steps N] [--rounds R]
         [--out docs/benchmarks/model_overhead.json]
 
+With `--workers N` the same CNN trains under `MultiWorkerMirroredStrategy`
+in N worker processes started by `keras-dist launch`. Stock `keras.Model.fit`
+fails there (see docs/why.md), so the reference is stock Keras's own
+`train_step` run by a minimal train function (`strategy.run`, logs left on
+each worker: no log collective at all), against
+`DistributedModel.train_function`, both at each `--steps-per-execution`,
+interleaved call by call; a sample is one call divided by its steps. With
+`--baseline PATH` (another checkout of keras_dist, e.g. a `git worktree` of
+an older commit) every launch is repeated with that checkout's keras_dist,
+alternating the two (this checkout first, then the baseline, then the
+baseline again, then this checkout, ...), for a before/after comparison:
+
+    python benchmarks/bench_model_overhead.py --workers 2 \
+        --baseline ../keras_dist_old --launches 2 \
+        --out docs/benchmarks/model_overhead_workers.json
+
 Prints a markdown table; writes the raw timings, the environment and the
 command to the JSON file, and a plot next to it (same name, `.png`) when
-matplotlib is importable.
+matplotlib is importable (with `--workers`, only where `--plot` says).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 from _common import (
+    REPO_ROOT,
     RunClock,
     command,
     import_stack,
@@ -86,17 +106,75 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--out",
-        default=os.path.join("docs", "benchmarks", "model_overhead.json"),
-        help="JSON file for the raw results; the plot goes next to it (.png).",
+        default=None,
+        help=(
+            "JSON file for the raw results; the plot goes next to it (.png). "
+            "Defaults to docs/benchmarks/model_overhead.json, or "
+            "model_overhead_workers.json with --workers."
+        ),
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help=(
+            "Run under MultiWorkerMirroredStrategy in this many worker "
+            "processes (keras-dist launch); 0 for the in-process strategies."
+        ),
+    )
+    parser.add_argument(
+        "--steps-per-execution",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        help="With --workers: the steps_per_execution values to time.",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help=(
+            "With --workers: a checkout of keras_dist (its repository root) "
+            "to time as well, in alternating launches, as 'before'."
+        ),
+    )
+    parser.add_argument(
+        "--launches",
+        type=int,
+        default=1,
+        help="With --workers: launches per keras_dist version.",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        help=(
+            "With --workers: PNG file for a box plot of the paired ratios "
+            "(none by default: every plot in docs/benchmarks must be embedded "
+            "in its index)."
+        ),
+    )
+    # Set by the launching process in each worker.
+    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--keras-dist-root", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("steps", "rounds", "batch_size"):
+    if args.out is None:
+        name = "model_overhead_workers.json" if args.workers else "model_overhead.json"
+        args.out = os.path.join("docs", "benchmarks", name)
+    for name in ("steps", "rounds", "batch_size", "launches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1.")
-    if args.batch_size % NUM_LOGICAL_CPUS:
+    if args.workers < 0 or min(args.steps_per_execution) < 1:
+        parser.error("--workers must be >= 0 and --steps-per-execution >= 1.")
+    if args.baseline is not None and not os.path.isdir(
+        os.path.join(args.baseline, "keras_dist")
+    ):
         parser.error(
-            f"--batch-size must be divisible by {NUM_LOGICAL_CPUS} (the "
-            f"MirroredStrategy replicas). Received: {args.batch_size}."
+            "--baseline must be a checkout holding a keras_dist package. "
+            f"Received: {args.baseline}."
+        )
+    if args.batch_size % max(NUM_LOGICAL_CPUS, args.workers):
+        parser.error(
+            "--batch-size must be divisible by the number of replicas "
+            f"({max(NUM_LOGICAL_CPUS, args.workers)}). Received: {args.batch_size}."
         )
     return args
 
@@ -110,7 +188,7 @@ def make_data(np):
     return x, y
 
 
-def build_model(keras, model_class, check_finite=True):
+def build_model(keras, model_class, check_finite=True, steps_per_execution=1):
     """Conv 32 -> conv 64 -> pool -> dense 128 -> dense 10, fixed init."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((IMAGE_SIZE, IMAGE_SIZE, 1))
@@ -122,6 +200,8 @@ def build_model(keras, model_class, check_finite=True):
     outputs = keras.layers.Dense(NUM_CLASSES)(x)
     model = model_class(inputs, outputs)
     extra = {} if check_finite else {"check_finite_gradients": False}
+    if steps_per_execution != 1:
+        extra["steps_per_execution"] = steps_per_execution
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -306,8 +386,278 @@ def plot(results, path):
     return save_figure(figure, path)
 
 
+# --- Multi-worker mode -------------------------------------------------------
+
+REFERENCE = "keras.Model train_step"
+DISTRIBUTED = "DistributedModel"
+
+
+def reference_function(tf, model, strategy, steps_per_execution):
+    """Stock Keras's `train_step`, `steps_per_execution` times, logs unreduced.
+
+    What a stock `keras.Model` would run under MultiWorkerMirroredStrategy
+    if its logs needed no collective: the lower bound for the step.
+    """
+
+    @tf.function
+    def function(iterator):
+        logs = strategy.run(model.train_step, args=(next(iterator),))
+        for _ in tf.range(steps_per_execution - 1):
+            logs = strategy.run(model.train_step, args=(next(iterator),))
+        return strategy.experimental_local_results(logs)[0]
+
+    return function
+
+
+def time_call(function, iterator, steps_per_execution):
+    start = time.perf_counter()
+    function(iterator)["loss"].numpy()
+    return (time.perf_counter() - start) / steps_per_execution
+
+
+def run_worker(args):
+    """One worker's share of a `--workers` launch; worker 0 writes the timings."""
+    if args.keras_dist_root:
+        # The baseline's keras_dist, imported before `import_stack` adds
+        # this checkout's.
+        sys.path.insert(0, args.keras_dist_root)
+        import keras_dist
+    tf, keras, keras_dist = import_stack()
+    import numpy as np
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x, y = make_data(np)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA
+    )
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .batch(args.batch_size, drop_remainder=True)
+        .repeat()
+        .with_options(options)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    functions = {}
+    for steps in args.steps_per_execution:
+        with strategy.scope():
+            reference = build_model(keras, keras.Model)
+            distributed = build_model(
+                keras, keras_dist.DistributedModel, steps_per_execution=steps
+            )
+            distributed.set_weights(reference.get_weights())
+            # Stock Keras builds metrics and optimizer in `fit`, which fails
+            # under MultiWorkerMirroredStrategy: build them here.
+            reference._symbolic_build(data_batch=(x[:2], y[:2]))
+            reference.optimizer.build(reference.trainable_variables)
+        distributed.fit(
+            dataset, epochs=1, steps_per_epoch=WARMUP_STEPS * steps, verbose=0
+        )
+        functions[steps] = {
+            REFERENCE: reference_function(tf, reference, strategy, steps),
+            DISTRIBUTED: distributed.make_train_function(),
+        }
+    iterators = {
+        (steps, name): iter(strategy.experimental_distribute_dataset(dataset))
+        for steps in functions
+        for name in functions[steps]
+    }
+    for steps, pair in functions.items():
+        for name, function in pair.items():
+            for _ in range(WARMUP_STEPS):
+                time_call(function, iterators[(steps, name)], steps)
+
+    timings = {str(steps): {REFERENCE: [], DISTRIBUTED: []} for steps in functions}
+    for round_index in range(args.rounds):
+        order = (REFERENCE, DISTRIBUTED)
+        if round_index % 2:
+            order = order[::-1]
+        for steps, pair in functions.items():
+            calls = max(1, args.steps // steps)
+            for _ in range(calls):
+                for name in order:
+                    timings[str(steps)][name].append(
+                        time_call(pair[name], iterators[(steps, name)], steps)
+                    )
+    resolver = strategy.cluster_resolver
+    if resolver.task_id == 0 and args.worker_out:
+        with open(args.worker_out, "w") as handle:
+            json.dump(
+                {"keras_dist_file": keras_dist.__file__, "seconds_per_step": timings},
+                handle,
+            )
+
+
+def launch_workers(args, root):
+    """Runs this script in `args.workers` processes; returns worker 0's timings."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "timings.json")
+        worker_args = [
+            os.path.abspath(__file__),
+            "--steps",
+            str(args.steps),
+            "--rounds",
+            str(args.rounds),
+            "--batch-size",
+            str(args.batch_size),
+            "--steps-per-execution",
+            *map(str, args.steps_per_execution),
+            "--worker-out",
+            out,
+        ]
+        if root is not None:
+            worker_args += ["--keras-dist-root", os.path.abspath(root)]
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+        subprocess.run(
+            [
+                *(sys.executable, "-m", "keras_dist", "launch"),
+                *("--workers", str(args.workers), "--", sys.executable),
+                *worker_args,
+            ],
+            check=True,
+            env=env,
+            stdout=sys.stderr,
+        )
+        with open(out) as handle:
+            return json.load(handle)
+
+
+def run_multi_worker(args):
+    versions_to_run = {"this checkout": None}
+    if args.baseline is not None:
+        versions_to_run["baseline"] = args.baseline
+    names = list(versions_to_run)
+    launches = {name: [] for name in names}
+    for launch_index in range(args.launches):
+        order = names if launch_index % 2 == 0 else names[::-1]
+        for name in order:
+            print(
+                f"  launch {launch_index + 1}/{args.launches}: {name}", file=sys.stderr
+            )
+            launches[name].append(launch_workers(args, versions_to_run[name]))
+    return {
+        name: {
+            "keras_dist_root": versions_to_run[name] or REPO_ROOT,
+            "keras_dist_file": runs[0]["keras_dist_file"],
+            "launches": [run["seconds_per_step"] for run in runs],
+        }
+        for name, runs in launches.items()
+    }
+
+
+def summarize_multi_worker(results):
+    rows = []
+    for version, result in results.items():
+        for steps in result["launches"][0]:
+            reference = [t for run in result["launches"] for t in run[steps][REFERENCE]]
+            distributed = [
+                t for run in result["launches"] for t in run[steps][DISTRIBUTED]
+            ]
+            paired = [d / k for k, d in zip(reference, distributed)]
+            q1, q2, q3 = statistics.quantiles(paired, n=4, method="inclusive")
+            rows.append(
+                {
+                    "version": version,
+                    "steps_per_execution": int(steps),
+                    "samples": len(paired),
+                    "keras_ms": statistics.median(reference) * 1e3,
+                    "distributed_ms": statistics.median(distributed) * 1e3,
+                    "ratio_of_medians": statistics.median(distributed)
+                    / statistics.median(reference),
+                    "paired_ratio_median": q2,
+                    "paired_ratio_q1": q1,
+                    "paired_ratio_q3": q3,
+                }
+            )
+    return rows
+
+
+def markdown_table_multi_worker(rows):
+    lines = [
+        f"| keras_dist | steps_per_execution | samples | {REFERENCE} ms/step | "
+        f"{DISTRIBUTED} ms/step | ratio of medians | paired ratio median [IQR] |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['version']} | {row['steps_per_execution']} | {row['samples']} | "
+            f"{row['keras_ms']:.2f} | {row['distributed_ms']:.2f} | "
+            f"{row['ratio_of_medians']:.3f} | {row['paired_ratio_median']:.3f} "
+            f"[{row['paired_ratio_q1']:.3f}, {row['paired_ratio_q3']:.3f}] |"
+        )
+    return "\n".join(lines)
+
+
+def plot_multi_worker(results, path):
+    plt = pyplot()
+    if plt is None:
+        return None
+    labels, ratios = [], []
+    for version, result in results.items():
+        for steps in result["launches"][0]:
+            paired = [
+                d / k
+                for run in result["launches"]
+                for k, d in zip(run[steps][REFERENCE], run[steps][DISTRIBUTED])
+            ]
+            labels.append(f"{version}\nsteps_per_execution={steps}")
+            ratios.append(paired)
+    figure, axis = plt.subplots(figsize=(1.9 * len(ratios) + 1.5, 4.0))
+    axis.boxplot(ratios, showfliers=False)
+    axis.set_xticks(range(1, len(ratios) + 1), labels, fontsize=7)
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.set_ylabel(f"{DISTRIBUTED} / {REFERENCE}, per call")
+    axis.grid(axis="y", alpha=0.3)
+    axis.set_title("Step time under MultiWorkerMirroredStrategy (lower is better)")
+    return save_figure(figure, path)
+
+
+def main_multi_worker(args):
+    clock = RunClock()
+    import keras
+    import tensorflow as tf
+
+    sys.path.insert(0, REPO_ROOT)
+    import keras_dist
+
+    results = run_multi_worker(args)
+    rows = summarize_multi_worker(results)
+    print(markdown_table_multi_worker(rows))
+    report = {
+        "command": command(),
+        "environment": clock.environment(
+            versions(tf, keras, keras_dist), workers=args.workers
+        ),
+        "setup": {
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "launches": args.launches,
+            "global_batch_size": args.batch_size,
+            "steps_per_execution": args.steps_per_execution,
+            "input_shape": [IMAGE_SIZE, IMAGE_SIZE, 1],
+            "model": "Conv2D(32)-Conv2D(64)-MaxPool-Dense(128)-Dense(10)",
+            "optimizer": "Adam(1e-3)",
+            "metrics": ["accuracy"],
+            "reference": (
+                "stock keras.Model.train_step through strategy.run in a "
+                "tf.function, logs left on each worker (no log collective)"
+            ),
+        },
+        "results": results,
+        "summary": rows,
+        "plot": None if args.plot is None else plot_multi_worker(results, args.plot),
+    }
+    write_report(args.out, report)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.worker_out is not None:
+        run_worker(args)
+        return
+    if args.workers:
+        main_multi_worker(args)
+        return
     tf, keras, keras_dist = import_stack(NUM_LOGICAL_CPUS)
     import numpy as np
 
