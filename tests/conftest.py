@@ -39,6 +39,39 @@ def mirrored():
     return make
 
 
+def _cluster_environment():
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if name == "TF_CONFIG" or name.startswith(("KERAS_DIST_", "SLURM_"))
+    }
+
+
+@pytest.fixture(autouse=True)
+def _no_cluster_environment_leak():
+    """Fails the test that leaves TF_CONFIG, KERAS_DIST_* or SLURM_* changed.
+
+    These variables make `auto_strategy` build a multi-worker strategy. A test
+    that leaks one breaks whichever test runs next in its process, and under
+    pytest-xdist that is a different test than in a serial run; failing the
+    leaking test itself names the culprit. The variables are restored, so the
+    next test still starts clean.
+    """
+    before = _cluster_environment()
+    yield
+    after = _cluster_environment()
+    if after != before:
+        for name in after.keys() - before.keys():
+            del os.environ[name]
+        os.environ.update(before)
+        changed = sorted(
+            name
+            for name in before.keys() | after.keys()
+            if before.get(name) != after.get(name)
+        )
+        pytest.fail(f"the test left these variables changed: {changed}")
+
+
 def pytest_collection_modifyitems(config, items):
     if _GPUS:
         return

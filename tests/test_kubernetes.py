@@ -191,6 +191,10 @@ def test_trainjob_pods_build_their_tf_config(monkeypatch):
 
     configs, started = [], []
     monkeypatch.setattr(os, "execvp", lambda file, args: started.append(args))
+    # The pod's code exports TF_CONFIG. `delenv` records nothing for a
+    # variable that is not set, so without this the first pod's TF_CONFIG
+    # outlived the test (and the next test built a multi-worker strategy).
+    monkeypatch.setenv("TF_CONFIG", "")
     for index in range(nodes):
         # JobSet labels each pod with its name; Kubernetes gives an indexed
         # Job's pod its JOB_COMPLETION_INDEX.
