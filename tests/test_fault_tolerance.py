@@ -250,10 +250,19 @@ def test_peer_killed_during_all_reduce_is_named(tmp_path):
 
 
 FLAKY = """
-import os, sys
+import os, sys, time
 attempt = int(os.environ["KERAS_DIST_RESTART"])
-print("attempt", attempt, os.environ["KERAS_DIST_TASK"],
-      os.environ["KERAS_DIST_COLLECTIVE_TIMEOUT"])
+task = os.environ["KERAS_DIST_TASK"]
+print("attempt", attempt, task, os.environ["KERAS_DIST_COLLECTIVE_TIMEOUT"])
+# Both tasks print before either exits: the launcher stops the other task as
+# soon as one fails, which could cut a slower task's line.
+folder = sys.argv[2]
+open(os.path.join(folder, f"{attempt}-{task}"), "w").close()
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and sum(
+    name.startswith(f"{attempt}-") for name in os.listdir(folder)
+) < 2:
+    time.sleep(0.02)
 sys.exit(0 if attempt >= int(sys.argv[1]) else 3)
 """
 
@@ -264,9 +273,17 @@ def run_launch(capsys, *args):
     return status, captured.out + captured.err
 
 
-def test_launch_restarts_the_whole_job_until_it_succeeds(capsys):
+def test_launch_restarts_the_whole_job_until_it_succeeds(capsys, tmp_path):
     status, output = run_launch(
-        capsys, "--max-restarts", "2", "--", sys.executable, "-c", FLAKY, "2"
+        capsys,
+        "--max-restarts",
+        "2",
+        "--",
+        sys.executable,
+        "-c",
+        FLAKY,
+        "2",
+        str(tmp_path),
     )
     assert status == 0
     for attempt in range(3):
@@ -276,7 +293,7 @@ def test_launch_restarts_the_whole_job_until_it_succeeds(capsys):
     assert "(KERAS_DIST_RESTART=2)" in output
 
 
-def test_launch_gives_up_with_the_last_status(capsys):
+def test_launch_gives_up_with_the_last_status(capsys, tmp_path):
     status, output = run_launch(
         capsys,
         "--max-restarts",
@@ -288,14 +305,17 @@ def test_launch_gives_up_with_the_last_status(capsys):
         "-c",
         FLAKY,
         "5",
+        str(tmp_path),
     )
     assert status == 3
     assert "attempt 1 worker:1 7" in output
     assert "giving up after 2 attempts (max restarts 1); exit status 3" in output
 
 
-def test_launch_without_restarts_keeps_todays_behaviour(capsys):
-    status, output = run_launch(capsys, "--", sys.executable, "-c", FLAKY, "1")
+def test_launch_without_restarts_keeps_todays_behaviour(capsys, tmp_path):
+    status, output = run_launch(
+        capsys, "--", sys.executable, "-c", FLAKY, "1", str(tmp_path)
+    )
     assert status == 3
     assert "restart" not in output
 
