@@ -257,7 +257,8 @@ print("attempt", attempt, task, os.environ["KERAS_DIST_COLLECTIVE_TIMEOUT"])
 # Both tasks print before either exits: the launcher stops the other task as
 # soon as one fails, which could cut a slower task's line.
 folder = sys.argv[2]
-open(os.path.join(folder, f"{attempt}-{task}"), "w").close()
+with open(os.path.join(folder, f"{attempt}-{task}"), "w") as marker:
+    marker.write(os.environ["KERAS_DIST_COLLECTIVE_TIMEOUT"])
 deadline = time.monotonic() + 60
 while time.monotonic() < deadline and sum(
     name.startswith(f"{attempt}-") for name in os.listdir(folder)
@@ -308,7 +309,12 @@ def test_launch_gives_up_with_the_last_status(capsys, tmp_path):
         str(tmp_path),
     )
     assert status == 3
-    assert "attempt 1 worker:1 7" in output
+    # Every task of both attempts ran, with the timeout. (Read from the
+    # tasks' files: a task's last output line can still be in the pipe when
+    # the launcher, stopping the job, stops reading it.)
+    for attempt in (0, 1):
+        for task in ("worker:0", "worker:1"):
+            assert (tmp_path / f"{attempt}-{task}").read_text() == "7"
     assert "giving up after 2 attempts (max restarts 1); exit status 3" in output
 
 
