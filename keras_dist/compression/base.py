@@ -11,6 +11,8 @@ import types
 import keras
 import tensorflow as tf
 
+from keras_dist._validation import check_int
+
 # Dtypes TensorFlow's collectives can sum on every backend keras_dist supports
 # (`all_reduce` rejects int8/uint8 on CPU; bool, complex and strings are not
 # gradients). Checked before the first collective, so a bad gradient fails the
@@ -24,6 +26,11 @@ SUPPORTED_DTYPES = (
     tf.int64,
 )
 """Gradient and variable dtypes the hooks accept: those every collective sums."""
+
+DEFAULT_BUCKET_BYTES = 4 * 2**20
+"""The built-in hooks' `bucket_bytes` (4 MiB): see `plan_buckets`.
+
+Chosen by `benchmarks/bench_overlap.py` (docs/benchmarks/overlap.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +148,9 @@ class AllReduceHook(tf.Module):
     ```
     """
 
-    def __init__(self):
+    def __init__(self, *, bucket_bytes=None):
         super().__init__()
+        self._bucket_bytes = check_bucket_bytes(bucket_bytes)
         self._built = False
         # Bookkeeping lives in a namespace, out of `tf.Module`'s attribute
         # tracking (which would wrap its dicts for checkpointing); only the
@@ -185,6 +193,32 @@ class AllReduceHook(tf.Module):
     def built(self) -> bool:
         """Whether `build` has run."""
         return self._built
+
+    @property
+    def bucket_bytes(self):
+        """Int or `None`: the bucket size of `buckets` (see `plan_buckets`).
+
+        The base class's default is `None` (one collective per dtype); the
+        built-in hooks default to `DEFAULT_BUCKET_BYTES`.
+        """
+        return self._bucket_bytes
+
+    def buckets(self, tensors) -> list:
+        """Groups `tensors` into this hook's buckets, in the order to reduce.
+
+        `plan_buckets(tensors, self.bucket_bytes)`: a hook issues one
+        collective per bucket, bucket after bucket, so that the last
+        layers' gradients (computed first by the backward pass) travel
+        while the first layers' are still being computed.
+
+        Args:
+            tensors: List of tensors (or anything with a static `shape`
+                and a `dtype`), in the order of the model's variables.
+
+        Returns:
+            A list of buckets, each a list of positions into `tensors`.
+        """
+        return plan_buckets(tensors, self._bucket_bytes)
 
     @property
     def variable_specs(self) -> tuple:
@@ -615,13 +649,22 @@ class AllReduceHook(tf.Module):
 class NoCompression(AllReduceHook):
     """Plain sum all-reduce, the default hook.
 
-    The gradients go through one `all_reduce("sum")` per dtype at their own
-    precision: exactly what stock Keras does, but owned by keras_dist so it
-    happens once, before clipping. Sparse gradients (`tf.IndexedSlices`,
-    from `Embedding` and other gathers) stay sparse, as in stock Keras: their
-    rows and indices are all-gathered and the optimizer applies a sparse
-    update. The compressing hooks densify them (they compress dense
-    tensors); for a large vocabulary keep this hook.
+    The gradients are summed at their own precision, as stock Keras does,
+    but owned by keras_dist so it happens once, before clipping. They go in
+    buckets of about `bucket_bytes`, in reverse order of the model's
+    variables, one collective per bucket issued as soon as its gradients
+    exist, so communication overlaps the rest of the backward pass (see
+    `plan_buckets`). Sparse gradients (`tf.IndexedSlices`, from `Embedding`
+    and other gathers) stay sparse, as in stock Keras: their rows and
+    indices are all-gathered, in their place in that order, and the
+    optimizer applies a sparse update. The compressing hooks densify them
+    (they compress dense tensors); for a large vocabulary keep this hook.
+
+    Args:
+        bucket_bytes: Int or `None`. Bytes per collective (see
+            `plan_buckets`). `None` sends all gradients of a dtype in one
+            collective after the whole backward pass. Defaults to
+            `DEFAULT_BUCKET_BYTES` (4 MiB).
 
     Example:
 
@@ -632,25 +675,33 @@ class NoCompression(AllReduceHook):
     ```
     """
 
+    def __init__(self, bucket_bytes=DEFAULT_BUCKET_BYTES):
+        super().__init__(bucket_bytes=bucket_bytes)
+
+    def get_config(self) -> dict:
+        return {"bucket_bytes": self.bucket_bytes}
+
     def reduce(self, gradients, variables):
         gradients, _ = self.prepare(gradients, variables, keep_sparse=True)
-        sparse = [i for i, g in enumerate(gradients) if _is_sparse(g)]
-        if not sparse:
-            return all_reduce_sum(gradients)
-        # Sparse gradients (embeddings, gathers) stay `tf.IndexedSlices`, as
-        # in stock Keras: the strategy all-gathers their rows and indices
-        # instead of summing a dense vocabulary-sized tensor, and the
-        # optimizer applies them as sparse updates.
-        dense = [i for i in range(len(gradients)) if i not in sparse]
-        result = [None] * len(gradients)
-        for i, value in zip(dense, all_reduce_sum([gradients[i] for i in dense])):
-            result[i] = value
         ctx = replica_context()
-        for i in sparse:
-            if ctx.num_replicas_in_sync == 1:
-                result[i] = gradients[i]
-            else:
-                result[i] = ctx.all_reduce(tf.distribute.ReduceOp.SUM, gradients[i])
+        result = [None] * len(gradients)
+        for bucket in self.buckets(gradients):
+            if _is_sparse(gradients[bucket[0]]):
+                # Sparse gradients (embeddings, gathers) stay
+                # `tf.IndexedSlices`, as in stock Keras: the strategy
+                # all-gathers their rows and indices instead of summing a
+                # dense vocabulary-sized tensor, and the optimizer applies
+                # them as sparse updates.
+                (i,) = bucket
+                if ctx.num_replicas_in_sync == 1:
+                    result[i] = gradients[i]
+                else:
+                    result[i] = ctx.all_reduce(tf.distribute.ReduceOp.SUM, gradients[i])
+                continue
+            # One dtype per bucket: one collective.
+            summed = all_reduce_sum([gradients[i] for i in bucket])
+            for i, value in zip(bucket, summed):
+                result[i] = value
         return result
 
 
@@ -699,15 +750,19 @@ def replica_context() -> tf.distribute.ReplicaContext:
     return ctx
 
 
-def all_reduce_sum(tensors):
-    """Sums `tensors` over replicas with one collective per dtype.
+def all_reduce_sum(tensors, bucket_bytes=None):
+    """Sums `tensors` over replicas, one collective per bucket.
 
     TensorFlow cannot all-reduce a list of mixed dtypes in one call, so the
-    tensors are grouped by dtype and the results put back in input order.
-    Must be called in replica context.
+    tensors are grouped by dtype (and, with `bucket_bytes`, by size, see
+    `plan_buckets`) and the results put back in input order. Must be
+    called in replica context.
 
     Args:
         tensors: List of tensors (`tf.IndexedSlices` are densified).
+        bucket_bytes: Int or `None`. `None` (the default): one collective
+            per dtype. An int: buckets of about that many bytes, issued in
+            reverse order of `tensors`.
 
     Returns:
         List of summed tensors in the input order.
@@ -715,20 +770,23 @@ def all_reduce_sum(tensors):
     Raises:
         RuntimeError: called in cross-replica context.
     """
-    return _sum_by_dtype(
-        tensors, lambda ctx, group: ctx.all_reduce(tf.distribute.ReduceOp.SUM, group)
+    return _sum_by_bucket(
+        tensors,
+        lambda ctx, group: ctx.all_reduce(tf.distribute.ReduceOp.SUM, group),
+        bucket_bytes,
     )
 
 
-def all_reduce_flat(tensors):
-    """Sums `tensors` over replicas, packed into one flat buffer per dtype.
+def all_reduce_flat(tensors, bucket_bytes=None):
+    """Sums `tensors` over replicas, each bucket packed into one flat buffer.
 
-    Like `all_reduce_sum`, but the tensors of each dtype are concatenated
+    Like `all_reduce_sum`, but the tensors of each bucket are concatenated
     into one vector first, so many small tensors (PowerSGD's factors, bias
     vectors) cost one collective launch instead of one each.
 
     Args:
         tensors: List of tensors with static shapes.
+        bucket_bytes: Int or `None`. As in `all_reduce_sum`.
 
     Returns:
         List of summed tensors in the input order.
@@ -736,7 +794,7 @@ def all_reduce_flat(tensors):
     Raises:
         RuntimeError: called in cross-replica context.
     """
-    return _sum_by_dtype(tensors, _sum_flat)
+    return _sum_by_bucket(tensors, _sum_flat, bucket_bytes)
 
 
 def _sum_flat(ctx, group):
@@ -751,22 +809,104 @@ def _sum_flat(ctx, group):
     ]
 
 
-def _sum_by_dtype(tensors, sum_group):
-    """Applies `sum_group(ctx, tensors_of_one_dtype)` per dtype, in order.
+def _sum_by_bucket(tensors, sum_group, bucket_bytes):
+    """Applies `sum_group(ctx, tensors_of_one_bucket)` per bucket, in order.
 
-    TensorFlow cannot all-reduce a list of mixed dtypes in one call; this is
-    the grouping both `all_reduce_sum` and `all_reduce_flat` share.
+    The grouping both `all_reduce_sum` and `all_reduce_flat` share.
     """
     ctx = replica_context()
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if ctx.num_replicas_in_sync == 1 or not tensors:
         return tensors
     result = [None] * len(tensors)
-    for indices in _group_by_dtype(tensors).values():
-        summed = sum_group(ctx, [tensors[i] for i in indices])
-        for i, value in zip(indices, summed):
+    for bucket in plan_buckets(tensors, bucket_bytes):
+        summed = sum_group(ctx, [tensors[i] for i in bucket])
+        for i, value in zip(bucket, summed):
             result[i] = value
     return result
+
+
+def check_bucket_bytes(bucket_bytes, argument="bucket_bytes"):
+    """Returns `bucket_bytes` (a positive int or `None`) after checking it."""
+    return check_int(
+        argument,
+        bucket_bytes,
+        minimum=1,
+        allow_none=True,
+        hint=(
+            "Pass a size in bytes (for example 4 * 2**20), or None for one "
+            "collective per dtype."
+        ),
+    )
+
+
+def plan_buckets(tensors, bucket_bytes) -> list:
+    """Groups gradients into the buckets that hooks reduce one at a time.
+
+    The backward pass computes the last layers' gradients first. Reducing
+    them in buckets, in reverse order of the model's variables, lets each
+    bucket's collective run while earlier layers' gradients are still being
+    computed. TensorFlow launches a step's collectives in program order (each
+    waits for the previous one through the launcher's ordering token), so
+    the first bucket issued must hold the first gradients computed: a
+    collective issued first for the first layer, computed last, would hold
+    back every other. This is the order PyTorch DDP starts from
+    (`bucket_cap_mb`).
+
+    Walking `tensors` from last to first, each dtype fills its own bucket
+    until it holds at least `bucket_bytes`; a tensor larger than that is a
+    bucket of its own, and a sparse `tf.IndexedSlices` is always alone (it is
+    all-gathered, not summed). Buckets come out in the order their first
+    tensor was reached, so the plan depends only on shapes and dtypes: the
+    same on every replica and worker, as the collectives require.
+
+    Args:
+        tensors: List of tensors, `tf.IndexedSlices` or `VariableSpec`s, in
+            the order of the model's variables (forward order).
+        bucket_bytes: Int or `None`. `None`: one bucket per dtype, in input
+            order (one collective per dtype after the whole backward pass).
+
+    Returns:
+        A list of buckets, each a non-empty list of positions into
+        `tensors`; every position appears once.
+    """
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
+    if bucket_bytes is None:
+        groups: dict = {}
+        for position, tensor in enumerate(tensors):
+            if _is_sparse(tensor):
+                groups[("sparse", position)] = [position]
+            else:
+                groups.setdefault(tf.as_dtype(tensor.dtype), []).append(position)
+        return list(groups.values())
+    closed = []
+    open_buckets: dict = {}
+    sizes: dict = {}
+    for position in reversed(range(len(tensors))):
+        tensor = tensors[position]
+        if _is_sparse(tensor):
+            closed.append([position])
+            continue
+        dtype = tf.as_dtype(tensor.dtype)
+        bucket = open_buckets.setdefault(dtype, [])
+        if not bucket:
+            # The bucket takes its place in the order now, when its first
+            # (earliest computed) gradient is reached.
+            closed.append(bucket)
+        bucket.append(position)
+        sizes[dtype] = sizes.get(dtype, 0) + _nbytes(tensor)
+        if sizes[dtype] >= bucket_bytes:
+            del open_buckets[dtype]
+            sizes[dtype] = 0
+    return closed
+
+
+def _nbytes(tensor) -> int:
+    shape = tf.TensorShape(tensor.shape)
+    # Planned with static shapes; an unknown dimension counts as one (the
+    # bucket boundary moves, the sums do not).
+    dims = [] if shape.rank is None else shape.as_list()
+    return math.prod(d or 1 for d in dims) * tf.as_dtype(tensor.dtype).size
 
 
 def zero_if_not_finite(tensor):
@@ -781,13 +921,6 @@ def zero_if_not_finite(tensor):
         lambda: tensor,
         lambda: tf.zeros_like(tensor),
     )
-
-
-def _group_by_dtype(tensors) -> dict:
-    groups: dict[tf.DType, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        groups.setdefault(tensor.dtype, []).append(index)
-    return groups
 
 
 def _missing_super_init(hook_class, defining_class) -> str:
