@@ -284,8 +284,16 @@ def test_compressed_accuracy_on_digits_within_two_points(mirrored):
 @pytest.mark.multiworker
 def test_fp16_and_powersgd_under_multi_worker():
     """2 worker processes, DistributedModel.fit with NoCompression, FP16 and
-    PowerSGD (plain sum for 2 updates, then compressed)."""
-    hooks = [NoCompression(), FP16(), PowerSGD(rank=2, start_step=2)]
+    PowerSGD (plain sum for 2 updates, then compressed), and the first two
+    with a collective per variable (1-byte buckets) and with one per dtype."""
+    hooks = [
+        NoCompression(),
+        FP16(),
+        PowerSGD(rank=2, start_step=2),
+        NoCompression(bucket_bytes=1),
+        FP16(bucket_bytes=1),
+        NoCompression(bucket_bytes=None),
+    ]
     results = run_workers(
         workers.compressed_fit,
         num_workers=2,
@@ -298,7 +306,11 @@ def test_fp16_and_powersgd_under_multi_worker():
             max_abs_diff(results[0][index]["weights"], results[1][index]["weights"])
             == 0
         )
-    plain, fp16, power = results[0]
+    plain, fp16, power, plain_1, fp16_1, plain_none = results[0]
+    # Buckets change how the sums are grouped, not their values.
+    assert max_abs_diff(plain["weights"], plain_1["weights"]) == 0
+    assert max_abs_diff(plain["weights"], plain_none["weights"]) == 0
+    assert max_abs_diff(fp16["weights"], fp16_1["weights"]) == 0
     # Uncompressed multi-worker equals one device (see test_models); FP16 is
     # within float16 rounding of it.
     reference, _ = fit_mlp(NoCompression(), tf.distribute.get_strategy())
