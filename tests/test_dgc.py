@@ -464,7 +464,14 @@ def test_two_worker_processes_equal_two_logical_replicas(mirrored):
 
 
 def test_config_round_trip():
-    hook = DGC(ratio=0.01, momentum=0.8, clipnorm=2.0, warmup_steps=50, nesterov=True)
+    hook = DGC(
+        ratio=0.01,
+        momentum=0.8,
+        clipnorm=2.0,
+        warmup_steps=50,
+        nesterov=True,
+        bucket_bytes=1024,
+    )
     config = hook.get_config()
     assert config == {
         "ratio": 0.01,
@@ -472,6 +479,7 @@ def test_config_round_trip():
         "clipnorm": 2.0,
         "warmup_steps": 50,
         "nesterov": True,
+        "bucket_bytes": 1024,
     }
     clone = keras.saving.deserialize_keras_object(
         keras.saving.serialize_keras_object(hook)
@@ -485,6 +493,7 @@ def test_config_round_trip():
         "clipnorm": None,
         "warmup_steps": 1000,
         "nesterov": False,
+        "bucket_bytes": 4 * 2**20,
     }
 
 

@@ -12,12 +12,17 @@ import tensorflow as tf
 from keras_dist import _compat
 from keras_dist._validation import check_bool, check_int, check_real
 from keras_dist.compression.base import (
+    DEFAULT_BUCKET_BYTES,
     AllReduceHook,
     CompressionStats,
     num_elements,
     replica_context,
 )
-from keras_dist.compression.topk import sum_gathered_and_dense, top_k_indices
+from keras_dist.compression.topk import (
+    reduce_sparsified,
+    sparsified_buckets,
+    top_k_indices,
+)
 
 _INDEX_BYTES = 4
 # The paper's warm-up: densities 25%, 6.25%, 1.5625%, 0.390625% (sparsity 75%,
@@ -50,9 +55,11 @@ class DGC(AllReduceHook):
        accumulation `v = v + u` (Nesterov: `u = momentum * (u + g)`,
        `v = v + u + g`).
     3. The `k = ceil(density * n)` entries of largest `|v|` of each tensor
-       are sent (values and int32 positions, all-gathered as in `TopK`), and
-       each replica adds every replica's entries into a dense zero tensor:
-       the result is the sum of the sparsified accumulations.
+       are sent (values and int32 positions, all-gathered as in `TopK`: one
+       all-gather per bucket of about `bucket_bytes` of gradients, in
+       reverse order of the model's variables), and each replica adds every
+       replica's entries into a dense zero tensor: the result is the sum of
+       the sparsified accumulations.
     4. **Momentum factor masking**: `u` and `v` are set to zero at the sent
        positions, so a stale velocity does not keep pushing an entry that
        was just applied.
@@ -107,7 +114,10 @@ class DGC(AllReduceHook):
     all-gather exchanges the sizes first anyway, for `TopK` too).
 
     Bytes sent per replica and step: `k * (value size + 4)` per tensor, as
-    `TopK`; non-float gradients are summed with a plain all-reduce.
+    `TopK`; non-float gradients are summed with a plain all-reduce, in their
+    bucket's place. With `clipnorm`, the first bucket waits for the whole
+    gradient (the clipping norm covers every tensor), so the buckets no
+    longer overlap the backward pass.
     `stats()` and the `compression_ratio` log follow the warm-up. State, per
     replica and per floating-point variable `i`: `"velocity_{i}"` (`u`) and
     `"accumulation_{i}"` (`v`), saved as their sum over replicas (split
@@ -129,6 +139,11 @@ class DGC(AllReduceHook):
             step. Defaults to `1000`.
         nesterov: Bool. Nesterov momentum (`u = momentum * (u + g)`,
             `v = v + u + g`). Defaults to `False`.
+        bucket_bytes: Int or `None`. Bytes of gradients (before the
+            sparsification) per all-gather, issued in reverse layer order so
+            communication overlaps the backward pass (see
+            `keras_dist.compression.base.plan_buckets`). `None`: one
+            all-gather for all floating-point gradients. Defaults to 4 MiB.
 
     Example:
 
@@ -152,8 +167,9 @@ class DGC(AllReduceHook):
         clipnorm=None,
         warmup_steps=1000,
         nesterov=False,
+        bucket_bytes=DEFAULT_BUCKET_BYTES,
     ):
-        super().__init__()
+        super().__init__(bucket_bytes=bucket_bytes)
         self.ratio = check_real(
             "ratio",
             ratio,
@@ -316,10 +332,6 @@ class DGC(AllReduceHook):
         # all-gather takes shapes known only when the step runs.
         stage = _stage_index(step, stages) if len(stages) > 1 else None
         sparse_positions = [i for i, g in enumerate(gradients) if g.dtype.is_floating]
-        dense_positions = [
-            i for i, g in enumerate(gradients) if not g.dtype.is_floating
-        ]
-        result = [None] * len(gradients)
         scale = self._loss_scale()
         local = [gradients[p] for p in sparse_positions]
         if scale is not None:
@@ -327,10 +339,12 @@ class DGC(AllReduceHook):
         if self.clipnorm is not None and local:
             threshold = self.clipnorm / math.sqrt(ctx.num_replicas_in_sync)
             local = _clip_by_global_norm(local, threshold)
+        local = dict(zip(sparse_positions, local))
 
-        selections = []
         updates = []
-        for position, gradient in zip(sparse_positions, local):
+
+        def select(position):
+            gradient = local[position]
             index = indices[position]
             velocity = self.state(_velocity_name(index))
             accumulation = self.state(_accumulation_name(index))
@@ -348,7 +362,6 @@ class DGC(AllReduceHook):
             values = tf.gather(flat_v, top)
             if scale is not None:
                 values = values * tf.cast(scale, values.dtype)
-            selections.append((position, top, values))
             # Momentum factor masking: what was sent leaves both u and v.
             zeros = tf.zeros_like(values)
             masked_u = tf.tensor_scatter_nd_update(
@@ -357,14 +370,11 @@ class DGC(AllReduceHook):
             masked_v = tf.tensor_scatter_nd_update(flat_v, top[:, None], zeros)
             updates.append((velocity, masked_u))
             updates.append((accumulation, masked_v))
+            return top, values
 
-        if sparse_positions:
-            gathered = _all_gather_words(
-                ctx, [top for _, top, _ in selections], [v for _, _, v in selections]
-            )
-        else:
-            gathered = []
-        sum_gathered_and_dense(result, gradients, selections, gathered, dense_positions)
+        result = reduce_sparsified(
+            ctx, gradients, self.buckets(gradients), select, _all_gather_words
+        )
 
         if not updates:
             return result
@@ -407,6 +417,22 @@ class DGC(AllReduceHook):
             lambda: top_k_indices(magnitudes, ks[-1]),
             warmup,
         )
+
+    def buckets(self, tensors) -> list:
+        """Groups `tensors` into the buckets `reduce` sends one at a time.
+
+        `plan_buckets(tensors, bucket_bytes)`, except that with
+        `bucket_bytes=None` every tensor is in one bucket (its float tensors
+        travel in one all-gather, whatever their dtypes).
+
+        Args:
+            tensors: List of tensors (or anything with a static `shape` and a
+                `dtype`), in the order of the model's variables.
+
+        Returns:
+            A list of buckets, each a list of positions into `tensors`.
+        """
+        return sparsified_buckets(tensors, self.bucket_bytes)
 
     # --- Statistics -----------------------------------------------------------
 
@@ -456,6 +482,7 @@ class DGC(AllReduceHook):
             "clipnorm": self.clipnorm,
             "warmup_steps": self.warmup_steps,
             "nesterov": self.nesterov,
+            "bucket_bytes": self.bucket_bytes,
         }
 
 

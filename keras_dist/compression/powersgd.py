@@ -9,11 +9,13 @@ import tensorflow as tf
 
 from keras_dist._validation import check_bool, check_int, check_real
 from keras_dist.compression.base import (
+    DEFAULT_BUCKET_BYTES,
     AllReduceHook,
     CompressionStats,
     all_reduce_flat,
     all_reduce_sum,
     num_elements,
+    plan_buckets,
     replica_context,
     zero_if_not_finite,
 )
@@ -82,11 +84,20 @@ class PowerSGD(AllReduceHook):
     the factors are at least `min_compression_rate` times smaller than it,
     `(n + m) * rank * min_compression_rate < n * m`; everything
     else (biases, BatchNormalization vectors, small matrices) is sent raw,
-    bundled with the `P` factors into one collective per dtype, so a step
-    costs two collective launches per dtype. Before `start_step`, every
+    bundled with the `P` factors. Before `start_step`, every
     gradient is sent raw with a plain all-reduce, as PyTorch's
     `powerSGD_hook` does (`start_powerSGD_iter`): compressing from the first
     step tends to cost accuracy.
+
+    The gradients are reduced in buckets of about `bucket_bytes` (counted
+    before compression), in reverse order of the model's variables, one
+    bucket after the other as PyTorch's `powerSGD_hook` does: the bucket's
+    `P` factors and raw gradients in one all-reduce per dtype, the
+    orthonormalisation, then its `Q` factors in one more. The last layers'
+    factors travel while the first layers' gradients are still being
+    computed (see `keras_dist.compression.base.plan_buckets`). With
+    `bucket_bytes=None` all gradients make one bucket: two collective
+    launches per dtype and step, after the whole backward pass.
 
     With `warm_start=True`, the reduced `Q` of one step seeds the next
     (reusing the previous subspace makes one power iteration per step
@@ -123,6 +134,10 @@ class PowerSGD(AllReduceHook):
             previous step's `Q`. Defaults to `True`.
         seed: Int in the int64 range. Seed of the random initial `Q`; must be
             the same on every worker. Defaults to `0`.
+        bucket_bytes: Int or `None`. Bytes of gradients (before
+            compression) per bucket, reduced in reverse layer order so
+            communication overlaps the backward pass. `None`: one bucket.
+            Defaults to 4 MiB.
 
     Example:
 
@@ -147,8 +162,9 @@ class PowerSGD(AllReduceHook):
         error_feedback=True,
         warm_start=True,
         seed=0,
+        bucket_bytes=DEFAULT_BUCKET_BYTES,
     ):
-        super().__init__()
+        super().__init__(bucket_bytes=bucket_bytes)
         self.rank = check_int(
             "rank",
             rank,
@@ -260,18 +276,51 @@ class PowerSGD(AllReduceHook):
 
             def plain():
                 return strategy.extended.call_for_each_replica(
-                    all_reduce_sum, args=(gradients,)
+                    all_reduce_sum, args=(gradients, self.bucket_bytes)
                 )
 
             return tf.cond(compress, compressed, plain)
 
         return list(ctx.merge_call(choose, args=(step, gradients)))
 
+    def buckets(self, tensors) -> list:
+        """Groups `tensors` into the buckets `reduce` compresses one at a time.
+
+        `plan_buckets(tensors, bucket_bytes)` (one dtype per bucket), except
+        that with `bucket_bytes=None` every tensor is in one bucket (whose
+        factors and raw gradients go in one collective per dtype).
+
+        Args:
+            tensors: List of tensors (or anything with a static `shape` and a
+                `dtype`), in the order of the model's variables.
+
+        Returns:
+            A list of buckets, each a list of positions into `tensors`.
+        """
+        if self.bucket_bytes is None:
+            return [list(range(len(tensors)))] if len(tensors) else []
+        return plan_buckets(tensors, self.bucket_bytes)
+
     def _reduce_compressed(self, gradients, indices, step):
         gradients = list(gradients)
-        plans = [self._plan(index) for index in indices]
-        matrix_positions = [p for p, plan in enumerate(plans) if plan is not None]
-        raw_positions = [p for p, plan in enumerate(plans) if plan is None]
+        result = [None] * len(gradients)
+        updates = []
+        for bucket in self.buckets(gradients):
+            updates += self._reduce_bucket(gradients, indices, step, bucket, result)
+        if updates:
+            with tf.control_dependencies(updates):
+                result = [tf.identity(r) for r in result]
+        return result
+
+    def _reduce_bucket(self, gradients, indices, step, bucket, result):
+        """Fills `result` at the positions of `bucket`; returns state updates.
+
+        One power-iteration step for the bucket's matrices, with its two
+        phases of collectives (P and the raw gradients, then Q).
+        """
+        plans = {position: self._plan(indices[position]) for position in bucket}
+        matrix_positions = [p for p in bucket if plans[p] is not None]
+        raw_positions = [p for p in bucket if plans[p] is None]
 
         matrices, qs = [], []
         for position in matrix_positions:
@@ -293,14 +342,15 @@ class PowerSGD(AllReduceHook):
         # faster on CPU.
         local_pts = [tf.matmul(q, m, transpose_a=True) for m, q in zip(matrices, qs)]
         first = all_reduce_flat(local_pts + [gradients[p] for p in raw_positions])
+        for position, value in zip(raw_positions, first[len(local_pts) :]):
+            result[position] = value
+        if not matrix_positions:
+            return []
         ps = _orthonormalize([tf.transpose(pt) for pt in first[: len(local_pts)]])
         # Q = M^T P, with M^T as stored.
         local_qs = [tf.matmul(m, p) for m, p in zip(matrices, ps)]
         summed_qs = all_reduce_flat(local_qs)
 
-        result = [None] * len(gradients)
-        for position, value in zip(raw_positions, first[len(local_pts) :]):
-            result[position] = value
         num_replicas = replica_context().num_replicas_in_sync
         updates = []
         for k, position in enumerate(matrix_positions):
@@ -332,10 +382,7 @@ class PowerSGD(AllReduceHook):
                         tf.where(usable, summed_qs[k], qs[k])
                     )
                 )
-        if updates:
-            with tf.control_dependencies(updates):
-                result = [tf.identity(r) for r in result]
-        return result
+        return updates
 
     # --- Statistics ------------------------------------------------------------
 
@@ -387,6 +434,7 @@ class PowerSGD(AllReduceHook):
             "error_feedback": self.error_feedback,
             "warm_start": self.warm_start,
             "seed": self.seed,
+            "bucket_bytes": self.bucket_bytes,
         }
 
 

@@ -9,9 +9,12 @@ import tensorflow as tf
 
 from keras_dist._validation import check_bool, check_real
 from keras_dist.compression.base import (
+    DEFAULT_BUCKET_BYTES,
     AllReduceHook,
     all_reduce_sum,
+    check_bucket_bytes,
     num_elements,
+    plan_buckets,
     replica_context,
     zero_if_not_finite,
 )
@@ -25,12 +28,19 @@ class TopK(AllReduceHook):
 
     Each replica keeps, per floating-point tensor, the `k = ceil(ratio * n)`
     entries of largest magnitude and sends their values and int32 positions;
-    the replicas exchange them with one `all_gather` per step (values are
-    bit-cast to int32 so every dtype travels in the same buffer, which also
-    covers bfloat16, which TensorFlow cannot all-gather) and each replica adds
-    every replica's entries into a dense zero tensor: the result is the sum
-    of the sparsified gradients. Non-float gradients are summed with a plain
-    all-reduce.
+    the replicas exchange them with one `all_gather` per bucket of gradients
+    (values are bit-cast to int32 so every dtype travels in the same buffer,
+    which also covers bfloat16, which TensorFlow cannot all-gather) and each
+    replica adds every replica's entries into a dense zero tensor: the result
+    is the sum of the sparsified gradients. Non-float gradients are summed
+    with a plain all-reduce, in their bucket's place.
+
+    The buckets hold about `bucket_bytes` of gradients (counted before the
+    sparsification), in reverse order of the model's variables, so the last
+    layers' entries travel while the first layers' gradients are still being
+    computed (see `keras_dist.compression.base.plan_buckets`). With
+    `bucket_bytes=None` all gradients make one bucket: one all-gather per
+    step after the whole backward pass.
 
     With `error_feedback=True` (recommended), each replica keeps what it did
     not send in a residual and adds it to its next gradient, so every entry
@@ -53,6 +63,10 @@ class TopK(AllReduceHook):
             `1.0` sends everything (an exact, slow sum). Defaults to `0.01`.
         error_feedback: Bool. Keep unsent entries in a per-replica residual
             and add it to the next gradient. Defaults to `True`.
+        bucket_bytes: Int or `None`. Bytes of gradients (before the
+            sparsification) per all-gather, issued in reverse layer order so
+            communication overlaps the backward pass. `None`: one all-gather
+            for all floating-point gradients. Defaults to 4 MiB.
 
     Example:
 
@@ -66,8 +80,10 @@ class TopK(AllReduceHook):
     ```
     """
 
-    def __init__(self, ratio=0.01, error_feedback=True):
-        super().__init__()
+    def __init__(
+        self, ratio=0.01, error_feedback=True, bucket_bytes=DEFAULT_BUCKET_BYTES
+    ):
+        super().__init__(bucket_bytes=bucket_bytes)
         self.ratio = check_real(
             "ratio",
             ratio,
@@ -92,40 +108,45 @@ class TopK(AllReduceHook):
         n = num_elements(spec.shape)
         return min(n, max(1, math.ceil(self.ratio * n)))
 
+    def buckets(self, tensors) -> list:
+        """Groups `tensors` into the buckets `reduce` sends one at a time.
+
+        `plan_buckets(tensors, bucket_bytes)`, except that with
+        `bucket_bytes=None` every tensor is in one bucket (its float tensors
+        travel in one all-gather, whatever their dtypes).
+
+        Args:
+            tensors: List of tensors (or anything with a static `shape` and a
+                `dtype`), in the order of the model's variables.
+
+        Returns:
+            A list of buckets, each a list of positions into `tensors`.
+        """
+        return sparsified_buckets(tensors, self.bucket_bytes)
+
     def reduce(self, gradients, variables):
         gradients, indices = self.prepare(gradients, variables)
         ctx = replica_context()
-        dense_positions = [
-            i for i, g in enumerate(gradients) if not g.dtype.is_floating
-        ]
-        sparse_positions = [i for i, g in enumerate(gradients) if g.dtype.is_floating]
-        result = [None] * len(gradients)
-
-        selections = []
         residual_updates = []
-        for position in sparse_positions:
-            gradient = gradients[position]
+
+        def select(position):
             index = indices[position]
-            flat = tf.reshape(gradient, [-1])
+            flat = tf.reshape(gradients[position], [-1])
             residual = self._residual(index)
             if residual is not None:
                 flat = flat + tf.reshape(residual.read_value(), [-1])
             top = top_k_indices(tf.abs(flat), self.k_for(self.variable_specs[index]))
             values = tf.gather(flat, top)
-            selections.append((position, top, values))
             if residual is not None:
                 unsent = tf.tensor_scatter_nd_update(
                     flat, top[:, None], tf.zeros_like(values)
                 )
                 residual_updates.append((residual, unsent))
+            return top, values
 
-        if sparse_positions:
-            gathered = _all_gather_int32(
-                ctx, [top for _, top, _ in selections], [v for _, _, v in selections]
-            )
-        else:
-            gathered = []
-        sum_gathered_and_dense(result, gradients, selections, gathered, dense_positions)
+        result = reduce_sparsified(
+            ctx, gradients, self.buckets(gradients), select, _all_gather_int32
+        )
 
         updates = [
             residual.assign(tf.reshape(zero_if_not_finite(unsent), residual.shape))
@@ -154,7 +175,11 @@ class TopK(AllReduceHook):
         return sent
 
     def get_config(self) -> dict:
-        return {"ratio": self.ratio, "error_feedback": self.error_feedback}
+        return {
+            "ratio": self.ratio,
+            "error_feedback": self.error_feedback,
+            "bucket_bytes": self.bucket_bytes,
+        }
 
 
 def _residual_name(index) -> str:
@@ -256,21 +281,49 @@ def _all_gather_int32(ctx, tops, values):
     return out
 
 
-def sum_gathered_and_dense(
-    result, gradients, selections, gathered, dense_positions
-) -> None:
-    """Fills `result` with the summed gradients of a sparsifying hook.
+def sparsified_buckets(tensors, bucket_bytes) -> list:
+    """The buckets of a sparsifying hook (`TopK`, `DGC`), in the order to send.
 
-    `selections` are `(position, indices, values)` of the sparsified
-    gradients and `gathered` every replica's `(indices, values)` for each
-    (an all-gather): duplicates add up in the dense sum. The gradients at
-    `dense_positions` are all-reduced as they are.
+    `plan_buckets(tensors, bucket_bytes)` (one dtype per bucket), except that
+    `bucket_bytes=None` puts every tensor in one bucket: `reduce_sparsified`
+    then sends all float tensors in one all-gather and sums the others with
+    one all-reduce per dtype, as without buckets.
     """
-    for (position, _, _), (top, values) in zip(selections, gathered):
-        gradient = gradients[position]
-        summed = tf.scatter_nd(top[:, None], values, [num_elements(gradient.shape)])
-        result[position] = tf.reshape(summed, gradient.shape)
-    if dense_positions:
-        summed = all_reduce_sum([gradients[i] for i in dense_positions])
-        for position, value in zip(dense_positions, summed):
-            result[position] = value
+    if check_bucket_bytes(bucket_bytes) is None:
+        return [list(range(len(tensors)))] if len(tensors) else []
+    return plan_buckets(tensors, bucket_bytes)
+
+
+def reduce_sparsified(ctx, gradients, buckets, select, all_gather) -> list:
+    """Sums the gradients of a sparsifying hook, one bucket after the other.
+
+    For each bucket, in order: `select(position)` returns the `(indices,
+    values)` this replica sends for each floating-point gradient, and
+    `all_gather(ctx, indices_list, values_list)` exchanges the whole bucket's
+    in one collective, returning every replica's `(indices, values)` per
+    gradient; they are added into dense zero tensors (duplicates add up).
+    The bucket's other gradients are all-reduced as they are.
+
+    Returns:
+        The list of summed gradients, in the order of `gradients`.
+    """
+    result = [None] * len(gradients)
+    for bucket in buckets:
+        floats = [p for p in bucket if gradients[p].dtype.is_floating]
+        others = [p for p in bucket if not gradients[p].dtype.is_floating]
+        if floats:
+            selections = [select(p) for p in floats]
+            gathered = all_gather(
+                ctx, [top for top, _ in selections], [v for _, v in selections]
+            )
+            for position, (top, values) in zip(floats, gathered):
+                gradient = gradients[position]
+                summed = tf.scatter_nd(
+                    top[:, None], values, [num_elements(gradient.shape)]
+                )
+                result[position] = tf.reshape(summed, gradient.shape)
+        if others:
+            summed = all_reduce_sum([gradients[p] for p in others])
+            for position, value in zip(others, summed):
+                result[position] = value
+    return result
