@@ -115,6 +115,11 @@ def parse_args(argv=None):
     parser.add_argument(
         "--out", default=os.path.join("docs", "benchmarks", "overlap.json")
     )
+    parser.add_argument(
+        "--replot",
+        metavar="JSON",
+        help="Redraw the plots of an earlier report (no run; no root needed).",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -474,22 +479,43 @@ def plot(results, summary, path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    keys = list(summary)
+    conditions = list(dict.fromkeys(key.split("/")[0] for key in summary))
+    models = list(dict.fromkeys(key.split("/")[1] for key in summary))
     fig, axes = plt.subplots(
-        1, len(keys), figsize=(3.6 * len(keys), 3.8), squeeze=False
+        len(conditions),
+        len(models),
+        figsize=(3.4 * len(models), 2.6 * len(conditions)),
+        squeeze=False,
     )
-    for ax, key in zip(axes[0], keys):
-        entry = summary[key]
-        configs = list(entry)
-        values = [entry[c]["step"] for c in configs]
-        colors = ["#999999" if c == "local" else "#1f77b4" for c in configs]
-        bars = ax.bar(range(len(configs)), values, color=colors)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
-        ax.set_xticks(range(len(configs)), configs, rotation=30, fontsize=8)
-        ax.set_title(key.replace("_1thread", " 1thr").replace("/", "\n"), fontsize=9)
-        ax.set_ylabel("median step (s)")
-    fig.suptitle("DistributedModel, 2 workers: step time by bucket_bytes", fontsize=10)
-    fig.tight_layout()
+    titles = {
+        "shaped": "1 Gbit/s",
+        "shaped_1thread": "1 Gbit/s, 1 intra-op thread",
+        "unshaped": "unshaped",
+    }
+    for row, condition in enumerate(conditions):
+        for column, model_name in enumerate(models):
+            ax = axes[row][column]
+            entry = summary.get(f"{condition}/{model_name}")
+            if entry is None:
+                ax.set_visible(False)
+                continue
+            configs = list(entry)
+            values = [entry[c]["step"] for c in configs]
+            colors = ["#999999" if c == "local" else "#1f77b4" for c in configs]
+            bars = ax.bar(range(len(configs)), values, color=colors)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+            ax.set_xticks(range(len(configs)), configs, fontsize=8)
+            ax.set_ylim(0, max(values) * 1.18)
+            ax.set_title(
+                f"{model_name}, {titles.get(condition, condition)}", fontsize=9
+            )
+            if column == 0:
+                ax.set_ylabel("median step (s)")
+    fig.suptitle(
+        "DistributedModel, 2 workers: step time by bucket_bytes "
+        "(grey: the step without communication)",
+        fontsize=10,
+    )
     save_figure(fig, path)
     return True
 
@@ -534,6 +560,14 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         worker_main(args.worker)
+        return 0
+    if args.replot:
+        with open(args.replot) as handle:
+            report = json.load(handle)
+        base = os.path.splitext(args.replot)[0]
+        plot(report["results"], report["summary"], base + ".png")
+        plot_trace(report["traces"], base + "_trace.png")
+        print(f"Wrote {base}.png and {base}_trace.png")
         return 0
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         print(

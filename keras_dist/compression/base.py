@@ -209,7 +209,10 @@ class AllReduceHook(tf.Module):
         `plan_buckets(tensors, self.bucket_bytes)`: a hook issues one
         collective per bucket, bucket after bucket, so that the last
         layers' gradients (computed first by the backward pass) travel
-        while the first layers' are still being computed.
+        while the first layers' are still being computed. A hook may
+        override it (`TopK`, `DGC` and `PowerSGD` make one bucket of every
+        gradient when `bucket_bytes` is `None`, since their payloads share
+        one buffer whatever the dtype).
 
         Args:
             tensors: List of tensors (or anything with a static `shape`
