@@ -3,10 +3,11 @@
 Runs 2 `MultiWorkerMirroredStrategy` worker processes on 127.0.0.1 inside a
 private network namespace (loopback shaped to `--rate` with a token-bucket
 filter, or unshaped) and times `DistributedModel.fit` steps with
-`NoCompression(bucket_bytes=B)` for each `B` of `--buckets` ("none" is one
+`NoCompression(bucket_bytes=B)` (or `--hook fp16`: `FP16`, `--hook powersgd`:
+`PowerSGD(rank=4, start_step=0)`) for each `B` of `--buckets` ("none" is one
 collective per dtype after the whole backward pass), plus a step whose hook
 sends nothing ("local": the compute alone, so the communication time is
-`none - local`). Two models:
+`none - local`). Three models:
 
 - `balanced`: 8 Dense(1024) layers on 1024 inputs (8.4M parameters, 34 MB
   of gradients), global batch 2048, so that on 2 shared cores and a 1 Gbit/s
@@ -80,6 +81,7 @@ CONDITIONS = {
     "unshaped": {"shaped": False, "threads": None},
 }
 TRACED = ("none", "4m")
+HOOKS = {"none": "NoCompression", "fp16": "FP16", "powersgd": "PowerSGD"}
 
 
 def parse_args(argv=None):
@@ -101,6 +103,12 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--models", nargs="+", choices=list(MODELS), default=list(MODELS)
+    )
+    parser.add_argument(
+        "--hook",
+        choices=list(HOOKS),
+        default="none",
+        help="The hook whose bucket_bytes varies (default: NoCompression).",
     )
     parser.add_argument(
         "--conditions",
@@ -142,7 +150,8 @@ def worker_main(job_path):
     import numpy as np
 
     import keras_dist
-    from keras_dist.compression import AllReduceHook, NoCompression
+    from keras_dist import compression
+    from keras_dist.compression import AllReduceHook
 
     class LocalOnly(AllReduceHook):
         """Sends nothing: each worker applies its own gradient (times the
@@ -186,7 +195,14 @@ def worker_main(job_path):
         )
         models = {}
         for config in configs:
-            hook = LocalOnly() if config == "local" else NoCompression(BUCKETS[config])
+            if config == "local":
+                hook = LocalOnly()
+            elif job["hook"] == "powersgd":
+                hook = compression.PowerSGD(
+                    rank=4, start_step=0, bucket_bytes=BUCKETS[config]
+                )
+            else:
+                hook = getattr(compression, HOOKS[job["hook"]])(BUCKETS[config])
             with strategy.scope():
                 keras.utils.set_random_seed(0)
                 inputs = keras.Input((width,))
@@ -285,6 +301,7 @@ def run_condition(args, name, workdir):
         for index in range(2):
             job = {
                 "buckets": args.buckets,
+                "hook": args.hook,
                 "models": args.models,
                 "steps": args.steps,
                 "rounds": args.rounds,
@@ -607,6 +624,7 @@ def main(argv=None):
     report = {
         "command": command(),
         "rate": args.rate,
+        "hook": HOOKS[args.hook],
         "steps_per_round": args.steps,
         "rounds": args.rounds,
         "models": {k: MODELS[k] for k in args.models},
