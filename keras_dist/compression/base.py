@@ -644,7 +644,11 @@ class AllReduceHook(tf.Module):
         return cls(**config)
 
     def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        config = dict(self.get_config())
+        # The default bucket size is left out: `FP16()` reads as it is written.
+        if config.get("bucket_bytes") == DEFAULT_BUCKET_BYTES:
+            del config["bucket_bytes"]
+        args = ", ".join(f"{k}={v!r}" for k, v in config.items())
         return f"{type(self).__name__}({args})"
 
 
