@@ -111,9 +111,12 @@ def test_a_killed_ray_worker_resumes_from_the_backup(ray_address, one_device, tm
     assert "[FailurePolicy] RETRY" in result.output, result.output[-6000:]
     assert result.output.count("Started training worker group of size 2") == 2
     assert "BackupAndRestore: resumed from" in result.output
-    # Ray's Result keeps the reports of the group that finished.
+    # Ray's Result keeps the reports of the group that finished (epochs 2
+    # and 3: it resumed after epoch 1), preceded by the killed group's epoch-1
+    # report when Ray's controller collected it before it saw the failure (a
+    # race inside Ray: a fresh-clone CI run got [1, 2, 3], the others [2, 3]).
     reports = json.loads((tmp_path / "reports.json").read_text())
-    assert [int(row["epoch"]) for row in reports] == [2, 3]
+    assert [int(row["epoch"]) for row in reports] in ([2, 3], [1, 2, 3])
     assert "loss" in reports[-1]
     first = example_weights(tmp_path / "weights-worker-0.npz")
     second = example_weights(tmp_path / "weights-worker-1.npz")
