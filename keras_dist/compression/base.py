@@ -148,6 +148,10 @@ class AllReduceHook(tf.Module):
     ```
     """
 
+    one_bucket_without_size = False
+    """Whether `bucket_bytes=None` makes one bucket of every gradient (else
+    one per dtype); see `buckets`."""
+
     def __init__(self, *, bucket_bytes=None):
         super().__init__()
         self._bucket_bytes = check_bucket_bytes(bucket_bytes)
@@ -209,10 +213,11 @@ class AllReduceHook(tf.Module):
         `plan_buckets(tensors, self.bucket_bytes)`: a hook issues one
         collective per bucket, bucket after bucket, so that the last
         layers' gradients (computed first by the backward pass) travel
-        while the first layers' are still being computed. A hook may
-        override it (`TopK`, `DGC` and `PowerSGD` make one bucket of every
-        gradient when `bucket_bytes` is `None`, since their payloads share
-        one buffer whatever the dtype).
+        while the first layers' are still being computed. With
+        `bucket_bytes=None`, a hook whose class sets `one_bucket_without_size
+        = True` (`TopK`, `DGC`, `PowerSGD`: their payloads share one buffer
+        whatever the dtype) gets one bucket of every tensor instead of one
+        per dtype.
 
         Args:
             tensors: List of tensors (or anything with a static `shape`
@@ -221,6 +226,8 @@ class AllReduceHook(tf.Module):
         Returns:
             A list of buckets, each a list of positions into `tensors`.
         """
+        if self._bucket_bytes is None and self.one_bucket_without_size:
+            return [list(range(len(tensors)))] if len(tensors) else []
         return plan_buckets(tensors, self._bucket_bytes)
 
     @property

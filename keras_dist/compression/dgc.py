@@ -20,7 +20,6 @@ from keras_dist.compression.base import (
 )
 from keras_dist.compression.topk import (
     reduce_sparsified,
-    sparsified_buckets,
     top_k_indices,
 )
 
@@ -159,6 +158,10 @@ class DGC(AllReduceHook):
         model.compile(optimizer=keras.optimizers.SGD(0.02), loss=loss)
     ```
     """
+
+    # One bucket of every gradient when `bucket_bytes` is None: the payloads
+    # of all dtypes share one buffer.
+    one_bucket_without_size = True
 
     def __init__(
         self,
@@ -417,22 +420,6 @@ class DGC(AllReduceHook):
             lambda: top_k_indices(magnitudes, ks[-1]),
             warmup,
         )
-
-    def buckets(self, tensors) -> list:
-        """Groups `tensors` into the buckets `reduce` sends one at a time.
-
-        `plan_buckets(tensors, bucket_bytes)`, except that with
-        `bucket_bytes=None` every tensor is in one bucket (its float tensors
-        travel in one all-gather, whatever their dtypes).
-
-        Args:
-            tensors: List of tensors (or anything with a static `shape` and a
-                `dtype`), in the order of the model's variables.
-
-        Returns:
-            A list of buckets, each a list of positions into `tensors`.
-        """
-        return sparsified_buckets(tensors, self.bucket_bytes)
 
     # --- Statistics -----------------------------------------------------------
 

@@ -15,7 +15,6 @@ from keras_dist.compression.base import (
     all_reduce_flat,
     all_reduce_sum,
     num_elements,
-    plan_buckets,
     replica_context,
     zero_if_not_finite,
 )
@@ -154,6 +153,10 @@ class PowerSGD(AllReduceHook):
     ```
     """
 
+    # One bucket of every gradient when `bucket_bytes` is None: the payloads
+    # of all dtypes share one buffer.
+    one_bucket_without_size = True
+
     def __init__(
         self,
         rank=2,
@@ -282,24 +285,6 @@ class PowerSGD(AllReduceHook):
             return tf.cond(compress, compressed, plain)
 
         return list(ctx.merge_call(choose, args=(step, gradients)))
-
-    def buckets(self, tensors) -> list:
-        """Groups `tensors` into the buckets `reduce` compresses one at a time.
-
-        `plan_buckets(tensors, bucket_bytes)` (one dtype per bucket), except
-        that with `bucket_bytes=None` every tensor is in one bucket (whose
-        factors and raw gradients go in one collective per dtype).
-
-        Args:
-            tensors: List of tensors (or anything with a static `shape` and a
-                `dtype`), in the order of the model's variables.
-
-        Returns:
-            A list of buckets, each a list of positions into `tensors`.
-        """
-        if self.bucket_bytes is None:
-            return [list(range(len(tensors)))] if len(tensors) else []
-        return plan_buckets(tensors, self.bucket_bytes)
 
     def _reduce_compressed(self, gradients, indices, step):
         gradients = list(gradients)

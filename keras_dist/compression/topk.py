@@ -12,9 +12,7 @@ from keras_dist.compression.base import (
     DEFAULT_BUCKET_BYTES,
     AllReduceHook,
     all_reduce_sum,
-    check_bucket_bytes,
     num_elements,
-    plan_buckets,
     replica_context,
     zero_if_not_finite,
 )
@@ -80,6 +78,10 @@ class TopK(AllReduceHook):
     ```
     """
 
+    # One bucket of every gradient when `bucket_bytes` is None: the payloads
+    # of all dtypes share one buffer.
+    one_bucket_without_size = True
+
     def __init__(
         self, ratio=0.01, error_feedback=True, bucket_bytes=DEFAULT_BUCKET_BYTES
     ):
@@ -107,22 +109,6 @@ class TopK(AllReduceHook):
         """Number of entries sent for the gradient of variable `spec`."""
         n = num_elements(spec.shape)
         return min(n, max(1, math.ceil(self.ratio * n)))
-
-    def buckets(self, tensors) -> list:
-        """Groups `tensors` into the buckets `reduce` sends one at a time.
-
-        `plan_buckets(tensors, bucket_bytes)`, except that with
-        `bucket_bytes=None` every tensor is in one bucket (its float tensors
-        travel in one all-gather, whatever their dtypes).
-
-        Args:
-            tensors: List of tensors (or anything with a static `shape` and a
-                `dtype`), in the order of the model's variables.
-
-        Returns:
-            A list of buckets, each a list of positions into `tensors`.
-        """
-        return sparsified_buckets(tensors, self.bucket_bytes)
 
     def reduce(self, gradients, variables):
         gradients, indices = self.prepare(gradients, variables)
@@ -279,19 +265,6 @@ def _all_gather_int32(ctx, tops, values):
         )
         out.append((top, value))
     return out
-
-
-def sparsified_buckets(tensors, bucket_bytes) -> list:
-    """The buckets of a sparsifying hook (`TopK`, `DGC`), in the order to send.
-
-    `plan_buckets(tensors, bucket_bytes)` (one dtype per bucket), except that
-    `bucket_bytes=None` puts every tensor in one bucket: `reduce_sparsified`
-    then sends all float tensors in one all-gather and sums the others with
-    one all-reduce per dtype, as without buckets.
-    """
-    if check_bucket_bytes(bucket_bytes) is None:
-        return [list(range(len(tensors)))] if len(tensors) else []
-    return plan_buckets(tensors, bucket_bytes)
 
 
 def reduce_sparsified(ctx, gradients, buckets, select, all_gather) -> list:
