@@ -269,7 +269,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
                 `GradientAccumulationOptimizer` whose inner optimizer has no
                 loss scaling is already built, so it cannot be added.
         """
-        optimizer = keras.optimizers.get(optimizer)
+        optimizer = _loss_scaling_inside_accumulation(keras.optimizers.get(optimizer))
         self._keras_dist_check_finite = _validation.check_bool(
             "check_finite_gradients", check_finite_gradients
         )
@@ -1036,6 +1036,43 @@ def _is_functional_call(args, kwargs) -> bool:
         or (len(args) == 1 and "outputs" in kwargs)
         or ("inputs" in kwargs and "outputs" in kwargs)
     )
+
+
+def _loss_scaling_inside_accumulation(optimizer):
+    """`LossScaleOptimizer(GradientAccumulationOptimizer(inner))` reordered.
+
+    `apply_gradients` accumulates through the `GradientAccumulationOptimizer`
+    and applies with its inner optimizer, so an outer `LossScaleOptimizer`
+    would scale the loss and never unscale the update (its `apply` is not
+    on that path). Inside, it checks and unscales the reduced, accumulated
+    gradient, as `compile` arranges under `mixed_float16`.
+    """
+    if not (
+        isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        and isinstance(optimizer.inner_optimizer, GradientAccumulationOptimizer)
+    ):
+        return optimizer
+    accumulator = optimizer.inner_optimizer
+    if optimizer.built or accumulator.built:
+        raise RuntimeError(
+            "`optimizer` is a built `LossScaleOptimizer` around a "
+            "`GradientAccumulationOptimizer`; DistributedModel applies loss "
+            "scaling inside the accumulation and cannot reorder built "
+            f"optimizers. Received: optimizer={optimizer!r}. Pass "
+            "`GradientAccumulationOptimizer(keras.optimizers."
+            "LossScaleOptimizer(inner))` instead."
+        )
+    logger.info(
+        "Moving the LossScaleOptimizer inside the GradientAccumulationOptimizer "
+        "(it checks and unscales the accumulated, reduced gradient)."
+    )
+    accumulator.inner_optimizer = keras.optimizers.LossScaleOptimizer(
+        accumulator.inner_optimizer,
+        initial_scale=optimizer.initial_scale,
+        dynamic_growth_steps=optimizer.dynamic_growth_steps,
+        name=optimizer.name,
+    )
+    return accumulator
 
 
 def _batch_size(x):

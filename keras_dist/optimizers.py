@@ -299,6 +299,44 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         self._check_built("reset_accumulation")
         self._cycle.reset()
 
+    @property
+    def loss_scale_factor(self):
+        """The inner optimizer's `loss_scale_factor` (it unscales the update)."""
+        inner = getattr(self, "inner_optimizer", None)
+        return None if inner is None else inner.loss_scale_factor
+
+    @loss_scale_factor.setter
+    def loss_scale_factor(self, value):
+        # Forwarded, not stored: the inner optimizer's `apply` divides the
+        # update by its own factor, so a wrapper that sets the factor (a
+        # `LossScaleOptimizer` clears it, a `MultiOptimizer` overrides it)
+        # must reach the inner one, or the gradient is unscaled twice. The
+        # base constructor sets `None` before `inner_optimizer` exists.
+        inner = getattr(self, "inner_optimizer", None)
+        if inner is not None:
+            inner.loss_scale_factor = value
+        elif value is not None:
+            raise ValueError(
+                "GradientAccumulationOptimizer does not support "
+                f"`loss_scale_factor`. Received: loss_scale_factor={value!r}. "
+                "Set `loss_scale_factor` on the `inner_optimizer` instead."
+            )
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Excludes variables from the inner optimizer's weight decay.
+
+        Forwarded to `inner_optimizer`, which applies the decay; see
+        `keras.optimizers.Optimizer.exclude_from_weight_decay`.
+
+        Args:
+            var_list: List of variables to exclude, or `None`.
+            var_names: List of strings: a variable whose name contains any
+                of them is excluded. Or `None`.
+        """
+        self.inner_optimizer.exclude_from_weight_decay(
+            var_list=var_list, var_names=var_names
+        )
+
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
 

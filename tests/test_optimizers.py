@@ -283,6 +283,101 @@ def test_mixed_float16_puts_loss_scaling_inside_accumulation(mirrored):
     assert max_abs_diff(reference.get_weights(), plain.get_weights()) < 1e-3
 
 
+# --- What the inner optimizer owns: weight-decay exclusions, loss scale ---
+
+
+def _decaying_sgd(wrap=None):
+    """SGD with weight decay but not on the biases, and a loss scale factor.
+
+    `wrap(optimizer)` wraps it before the exclusion is set (on the wrapper)
+    and before a `LossScaleOptimizer` (which clears the factor) goes around.
+    """
+    optimizer = keras.optimizers.SGD(
+        0.1, momentum=0.9, weight_decay=0.05, loss_scale_factor=8.0
+    )
+    if wrap is not None:
+        optimizer = wrap(optimizer)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    return keras.optimizers.LossScaleOptimizer(optimizer)
+
+
+def test_exclude_from_weight_decay_reaches_the_inner_optimizer():
+    # Keras's `test_weight_decay` in every optimizer test file: the excluded
+    # variable keeps its value (it used to decay to 1.8).
+    results = []
+    for wrap in (False, True):
+        optimizer = keras.optimizers.SGD(1.0, weight_decay=0.1)
+        if wrap:
+            optimizer = keras_dist.GradientAccumulationOptimizer(optimizer, 1)
+        kept = keras.Variable([[2.0]], name="exclude")
+        decayed = keras.Variable([[2.0]], name="decay")
+        optimizer.exclude_from_weight_decay(var_names=["exclude"])
+        optimizer.apply([tf.zeros((1, 1)), tf.zeros((1, 1))], [kept, decayed])
+        results.append((kept.numpy(), decayed.numpy()))
+    assert results[1][0] == pytest.approx(2.0)
+    assert results[1][1] == pytest.approx(1.8)
+    np.testing.assert_allclose(results[0], results[1], atol=1e-7)
+
+
+@pytest.mark.parametrize("outer", ["loss_scale_optimizer", "set_by_wrapper"])
+def test_inner_loss_scale_factor_unscales_once(outer):
+    # Keras's `test_finite_step_with_inner_loss_scale_stateful` and
+    # `MultiOptimizer`'s `test_gradient_unscaling`: a wrapper that sets the
+    # factor on our optimizer sets it on the inner one, which unscales.
+    def run(wrap):
+        inner = keras.optimizers.SGD(0.5, loss_scale_factor=100)
+        optimizer = (
+            keras_dist.GradientAccumulationOptimizer(inner, 1) if wrap else inner
+        )
+        if outer == "loss_scale_optimizer":
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+            scale = optimizer.initial_scale
+        else:
+            optimizer.loss_scale_factor = 5.0
+            scale = 5.0
+        assert inner.loss_scale_factor == (None if scale != 5.0 else 5.0)
+        variable = keras.Variable([1.0, 2.0, 3.0, 4.0])
+        optimizer.build([variable])
+        optimizer.apply([tf.constant([1.0, 6.0, 7.0, 2.0]) * scale], [variable])
+        return variable.numpy()
+
+    np.testing.assert_allclose(run(wrap=True), run(wrap=False), atol=1e-7)
+    if outer == "loss_scale_optimizer":
+        np.testing.assert_allclose(run(wrap=True), [0.5, -1.0, -0.5, 3.0])
+
+
+def test_loss_scale_factor_is_refused_on_the_wrapper():
+    with pytest.raises(ValueError, match="on the `inner_optimizer`"):
+        keras_dist.GradientAccumulationOptimizer(
+            keras.optimizers.SGD(0.1), 2, loss_scale_factor=10.0
+        )
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_decay_exclusion_and_inner_loss_scale_on_two_replicas(steps, mirrored):
+    # Under a real 2-replica `fit`, with accumulation 1 and 4: the stock
+    # optimizer's weights on one device with the big batch.
+    x, y = make_data(n=128)
+    reference = compile_model(mlp(), _decaying_sgd())
+    reference.fit(x, y, batch_size=16 * steps, epochs=2, shuffle=False, verbose=0)
+    strategy = mirrored(2)
+    with strategy.scope():
+        optimizer = _decaying_sgd(
+            lambda inner: keras_dist.GradientAccumulationOptimizer(inner, steps)
+        )
+        model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 16 // steps
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+    # The exclusion mattered: without it the biases end elsewhere.
+    undecayed = compile_model(
+        mlp(),
+        keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=0.05),
+    )
+    undecayed.fit(x, y, batch_size=16 * steps, epochs=2, shuffle=False, verbose=0)
+    assert max_abs_diff(undecayed.get_weights(), model.get_weights()) > 1e-4
+
+
 # --- Serialization ---
 
 
