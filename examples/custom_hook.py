@@ -37,7 +37,7 @@ def define_hook():
     import tensorflow as tf
 
     from keras_dist.compression import AllReduceHook
-    from keras_dist.compression.base import (
+    from keras_dist.compression import (
         num_elements,
         replica_context,
         zero_if_not_finite,

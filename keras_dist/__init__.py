@@ -7,9 +7,12 @@ installed Keras and TensorFlow are versions it accepts (`_versions.py`: an
 tested range), then imports
 its Keras pieces so that their serializable classes are registered (a
 `.keras` file with a `DistributedModel` loads after `import keras_dist`).
-Only the `keras-dist` command line (`keras-dist ...`, `python -m
-keras_dist ...`) skips that import: the launcher starts its tasks without
-paying for a TensorFlow import, and its subcommands import what they use.
+Two cases skip that import: the `keras-dist` command line (`keras-dist
+...`, `python -m keras_dist ...`: the launcher starts its tasks without
+paying for a TensorFlow import, and its subcommands import what they use),
+and a process in tf_keras mode (`TF_USE_LEGACY_KERAS=1`, as tf_keras and
+tfmot programs set it): `keras_dist.tf_keras` and the core then load no
+Keras 3 module, and the Keras 3 pieces load on first access.
 
 The submodules the documentation uses (`keras_dist.strategy`,
 `keras_dist.memory`, `keras_dist.testing`, ...) are attributes of the package
@@ -23,7 +26,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from keras_dist._backend import check_backend
+from keras_dist._backend import check_backend, legacy_keras
 from keras_dist._versions import check_versions
 
 check_backend()
@@ -99,6 +102,6 @@ def _is_command_line() -> bool:
     return argv[0] == "-m" or os.path.basename(argv[0]) == "keras-dist"
 
 
-if not _is_command_line():
+if not _is_command_line() and not legacy_keras():
     for _name in ("compression", "optimizers", "models"):
         importlib.import_module(f"keras_dist.{_name}")

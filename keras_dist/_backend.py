@@ -29,6 +29,15 @@ def configured_backend() -> str:
         return "tensorflow"
 
 
+def legacy_keras() -> bool:
+    """Whether this process runs in tf_keras mode (`TF_USE_LEGACY_KERAS`).
+
+    TensorFlow's own test (tensorflow/python/util/lazy_loader.py): with it,
+    `tf.keras` is tf_keras and `import tensorflow` loads no Keras 3.
+    """
+    return os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
+
+
 def check_backend() -> None:
     """Raises ImportError unless Keras runs on the TensorFlow backend."""
     backend = configured_backend()

@@ -42,7 +42,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import _gradient_statistics
+from keras_dist.core import collectives
+from keras_dist.core import statistics as _gradient_statistics
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ def gather_per_replica(parts: list[list[np.ndarray]], strategy) -> list[np.ndarr
         return tf.constant(local_words[context.replica_id_in_sync_group - base])[None]
 
     distributed = strategy.experimental_distribute_values_from_function(value_fn)
-    gathered = strategy.gather(distributed, axis=0).numpy()
+    gathered = collectives.gather_across(strategy, distributed).numpy()
     result = [[] for _ in parts]
     for replica in range(replicas):
         raw = gathered[replica].tobytes()[:size]

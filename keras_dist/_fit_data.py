@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import _compat
+from keras_dist._compat import keras_src as _compat
 
 
 class BatchesFitData:

@@ -33,8 +33,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import _compat
-from keras_dist.compression.base import NoCompression
+from keras_dist._compat import keras_src as _compat
+from keras_dist.core.plain import NoCompression
 from keras_dist.optimizers import find_accumulator
 
 logger = logging.getLogger(__name__)

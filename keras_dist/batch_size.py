@@ -9,8 +9,10 @@ import math
 import keras
 import tensorflow as tf
 
-from keras_dist import _aggregation, _compat
+from keras_dist._compat import keras_src as _compat
 from keras_dist._validation import check_int, check_real
+from keras_dist.core import collectives
+from keras_dist.core.statistics import gradient_statistics
 from keras_dist.optimizers import find_accumulator
 
 logger = logging.getLogger(__name__)
@@ -267,7 +269,7 @@ class _Snapshot:
         ):
             if hook is not None and hook.built:
                 self._variables.extend(hook.state_variables)
-        statistics = _aggregation.gradient_statistics(model.optimizer)
+        statistics = gradient_statistics(model.optimizer)
         if statistics is not None:
             self._variables.extend(
                 [
@@ -295,5 +297,5 @@ def _all_workers_ok(strategy, ok):
         return ok
     failed = tf.constant(0.0 if ok else 1.0)
     per_replica = strategy.run(lambda: tf.identity(failed))
-    total = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+    total = collectives.reduce_across(strategy, per_replica)
     return float(total) == 0.0

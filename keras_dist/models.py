@@ -16,14 +16,12 @@ import weakref
 import keras
 import tensorflow as tf
 
-from keras_dist import (
-    _aggregation,
-    _compat,
-    _fit_data,
-    _parameter_server,
-    _validation,
-)
-from keras_dist.compression.base import AllReduceHook, NoCompression
+from keras_dist import _apply, _fit_data, _parameter_server, _validation
+from keras_dist._compat import keras_src as _compat
+from keras_dist._compat import tf_internal
+from keras_dist.core import aggregation, collectives
+from keras_dist.core.hooks import AllReduceHook
+from keras_dist.core.plain import NoCompression
 from keras_dist.optimizers import GradientAccumulationOptimizer, find_accumulator
 
 logger = logging.getLogger(__name__)
@@ -47,7 +45,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
 
     def _set_hook(self, hook):
         if hook is not None:
-            _aggregation.check_hook(hook)
+            aggregation.check_hook(hook)
         # Plain attributes on purpose: the hook is not a layer, so it must
         # not show up in `model.layers`, summaries or weight lists.
         _compat.set_untracked_attribute(self, "_keras_dist_user_hook", hook)
@@ -84,7 +82,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
                 "(from a callback): the compiled train step uses the current "
                 "hook until `fit` returns. Call it between `fit` calls."
             )
-        self._set_hook(_aggregation.check_hook(hook, argument="hook"))
+        self._set_hook(aggregation.check_hook(hook, argument="hook"))
         self.train_function = None
         _parameter_server.reset_functions(self)
 
@@ -173,7 +171,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
                 gradients, variables, hook, batch_size, check_finite=check_finite
             )
         else:
-            _aggregation.reduce_and_apply(
+            _apply.reduce_and_apply(
                 self.optimizer,
                 gradients,
                 variables,
@@ -212,13 +210,13 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
         """
         accumulator = find_accumulator(self.optimizer)
         unbuilt_accumulator = accumulator is not None and not accumulator.built
-        if _aggregation.hook_covers(hook, variables) and not unbuilt_accumulator:
+        if aggregation.hook_covers(hook, variables) and not unbuilt_accumulator:
             return
         in_replica_step = not tf.distribute.in_cross_replica_context()
         if tf.distribute.has_strategy() and in_replica_step:
             missing = (
                 "The GradientAccumulationOptimizer"
-                if _aggregation.hook_covers(hook, variables)
+                if aggregation.hook_covers(hook, variables)
                 else "The all-reduce hook"
             )
             raise RuntimeError(
@@ -228,7 +226,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
             )
         # Under the default strategy an unbuilt accumulation optimizer
         # builds itself in `accumulate_and_apply`, as Keras optimizers do.
-        _aggregation.build_hook(hook, variables, self.distribute_strategy)
+        aggregation.build_hook(hook, variables, self.distribute_strategy)
 
     def compile(
         self,
@@ -312,7 +310,7 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
         variables = self.trainable_variables
         optimizer = getattr(self, "optimizer", None)
         hook = self.all_reduce_hook if optimizer is None else self._training_hook()
-        _aggregation.build_hook(hook, variables, self.distribute_strategy)
+        aggregation.build_hook(hook, variables, self.distribute_strategy)
         if optimizer is not None and not optimizer.built:
             with self.distribute_strategy.scope():
                 optimizer.build(variables)
@@ -553,9 +551,9 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
 
         def reduce_value(value):
             if isinstance(value, tf.distribute.DistributedValues) or (
-                _compat.is_multi_worker(strategy) and tf.is_tensor(value)
+                tf_internal.is_multi_worker(strategy) and tf.is_tensor(value)
             ):
-                return strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
+                return collectives.reduce_across(strategy, value, op="mean")
             return value
 
         if isinstance(outputs, dict):
@@ -675,7 +673,7 @@ class HookStateSaveable(_compat.StateSaveable):
             return
         model = self.owner()
         hook = model.all_reduce_hook
-        _aggregation.build_hook(
+        aggregation.build_hook(
             hook, model.trainable_variables, model.distribute_strategy
         )
         state = hook.state_variables
@@ -912,7 +910,7 @@ def _describe_lost_peer(strategy, error) -> str | None:
     from keras_dist import cluster as cluster_lib
 
     resolver = getattr(strategy, "cluster_resolver", None)
-    if not _compat.is_multi_worker(strategy) or resolver is None:
+    if not tf_internal.is_multi_worker(strategy) or resolver is None:
         return None
     cluster = resolver.cluster_spec().as_dict()
     missing = cluster_lib.unreachable_tasks(

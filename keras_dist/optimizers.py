@@ -5,9 +5,12 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_dist import _accumulation, _aggregation, _compat
+from keras_dist import _apply, _registration  # noqa: F401 (registers the hooks)
+from keras_dist._compat import keras_src as _compat
 from keras_dist._validation import check_int
-from keras_dist.compression.base import NoCompression
+from keras_dist.core import accumulation, aggregation
+from keras_dist.core.hooks import nested_optimizers
+from keras_dist.core.plain import NoCompression
 
 _REFUSED_BASE_KWARGS = {
     "weight_decay": None,
@@ -164,9 +167,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer = inner_optimizer
         self._initial_accumulation_steps = int(accumulation_steps)
         self._hook = (
-            None
-            if all_reduce_hook is None
-            else _aggregation.check_hook(all_reduce_hook)
+            None if all_reduce_hook is None else aggregation.check_hook(all_reduce_hook)
         )
         _compat.set_untracked_attribute(self, "_default_hook", None)
 
@@ -216,7 +217,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         _compat.set_untracked_attribute(
             self,
             "_cycle",
-            _accumulation.AccumulationCycle(
+            accumulation.AccumulationCycle(
                 self._accumulators,
                 self._examples,
                 self._pending,
@@ -229,7 +230,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         # Built here, in cross-replica context: a hook's state cannot be
         # created inside a replica step. `DistributedModel` passes the hook
         # it trains with to `accumulate_and_apply` and builds it itself.
-        _aggregation.build_hook(
+        aggregation.build_hook(
             self._plain_hook(), var_list, tf.distribute.get_strategy()
         )
         super().build(var_list)
@@ -399,7 +400,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             self._index(variable)
 
         def apply(mean_grads, variables):
-            _aggregation.reduce_and_apply(
+            _apply.reduce_and_apply(
                 self.inner_optimizer,
                 mean_grads,
                 variables,
@@ -463,7 +464,7 @@ def find_accumulator(optimizer):
     Looks through loss-scaling and other wrappers (`inner_optimizer`);
     returns `None` when there is none.
     """
-    for nested in _compat.nested_optimizers(optimizer):
+    for nested in nested_optimizers(optimizer):
         if isinstance(nested, GradientAccumulationOptimizer):
             return nested
     return None

@@ -5,7 +5,9 @@ clustering) accepts only tf_keras models, and so did Horovod. This module
 gives those models keras_dist's all-reduce hooks (`keras_dist.compression`,
 the same classes) and gradient accumulation under `MirroredStrategy` and
 `MultiWorkerMirroredStrategy`, through the same pure-TensorFlow core as the
-Keras 3 pieces (`_aggregation.reduce_gradients`, `_accumulation`).
+Keras 3 pieces (`keras_dist.core`: aggregation, accumulation, hooks). It
+imports no Keras 3 module itself (with `TF_USE_LEGACY_KERAS=1`, the usual
+setting of tf_keras programs, `import keras_dist.tf_keras` loads none).
 
 Needs `pip install "keras-dist[tfmot]"` (tf_keras, and tfmot for the pruning
 and quantization pieces). `import keras_dist` imports neither.
@@ -51,9 +53,10 @@ except ImportError as error:  # pragma: no cover - depends on the install
         'not installed. Install it with `pip install "keras-dist[tfmot]"`.'
     ) from error
 
-from keras_dist import _accumulation, _aggregation
 from keras_dist._validation import check_bool, check_int
-from keras_dist.compression.base import AllReduceHook, NoCompression
+from keras_dist.core import accumulation, aggregation
+from keras_dist.core.hooks import AllReduceHook, OptimizerView, nested_optimizers
+from keras_dist.core.plain import NoCompression
 
 __all__ = ["DistributedOptimizer", "UpdatePruningStep", "import_tfmot"]
 
@@ -172,7 +175,7 @@ def DistributedOptimizer(  # a factory, named like the class it returns
             "Wrap the plain optimizer once."
         )
     if all_reduce_hook is not None:
-        _aggregation.check_hook(all_reduce_hook)
+        aggregation.check_hook(all_reduce_hook)
     accumulation_steps = check_int(
         "accumulation_steps", accumulation_steps, minimum=1, maximum=10**9
     )
@@ -252,12 +255,12 @@ class _DistributedMixin:
         return self.iterations
 
     def _keras_dist_apply(self, grads, variables, name=None):
-        _, trainable, reduced = _aggregation.reduce_gradients(
-            grads, variables, self._keras_dist_hook, optimizer=self
+        _, trainable, reduced = aggregation.reduce_gradients(
+            grads, variables, self._keras_dist_hook, view=_optimizer_view(self)
         )
         control = []
         if self._keras_dist_check_finite:
-            control = [_aggregation.assert_finite(reduced, self.iterations)]
+            control = [aggregation.assert_finite(reduced, self.iterations)]
         with tf.control_dependencies(control):
             if isinstance(self, tf_keras.optimizers.legacy.Optimizer):
                 super().apply_gradients(
@@ -276,11 +279,11 @@ class _DistributedMixin:
         """Creates the hook's state and the accumulators, in cross-replica context."""
         hook = self._keras_dist_hook
         needs_cycle = self._keras_dist_steps > 1 and self._keras_dist_cycle is None
-        if _aggregation.hook_covers(hook, variables) and not needs_cycle:
+        if aggregation.hook_covers(hook, variables) and not needs_cycle:
             return
 
         def build(strategy):
-            _aggregation.build_hook(hook, variables, strategy)
+            aggregation.build_hook(hook, variables, strategy)
             if needs_cycle:
                 with tf.init_scope(), strategy.scope():
                     self._keras_dist_make_cycle(variables)
@@ -314,7 +317,7 @@ class _DistributedMixin:
         self.keras_dist_pending = shared(0, "pending_micro_steps")
         self.keras_dist_micro_steps = shared(0, "micro_steps")
         self.keras_dist_steps = shared(self._keras_dist_steps, "accumulation_steps")
-        self._keras_dist_cycle = _accumulation.AccumulationCycle(
+        self._keras_dist_cycle = accumulation.AccumulationCycle(
             self.keras_dist_accumulators,
             self.keras_dist_examples,
             self.keras_dist_pending,
@@ -328,6 +331,28 @@ class _DistributedMixin:
         """Micro-steps seen so far (`None` without accumulation)."""
         cycle = self._keras_dist_cycle
         return None if cycle is None else cycle.micro_steps
+
+
+def _optimizer_view(optimizer) -> OptimizerView:
+    """What the hooks may know of a tf_keras optimizer (`OptimizerView`)."""
+    optimizers = tuple(nested_optimizers(optimizer))
+    scaler = next(
+        (
+            nested
+            for nested in optimizers
+            if isinstance(nested, tf_keras.mixed_precision.LossScaleOptimizer)
+        ),
+        None,
+    )
+    loss_scale = None
+    if scaler is not None:
+
+        def loss_scale():
+            return tf.cast(scaler.loss_scale, tf.float32)
+
+    return OptimizerView(
+        optimizers=optimizers, loss_scale=loss_scale, sgd="tf_keras.optimizers.SGD"
+    )
 
 
 @functools.cache

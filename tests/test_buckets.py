@@ -16,15 +16,17 @@ import tensorflow as tf
 from helpers import Harness, compile_model, exact_sum, make_data, max_abs_diff, mlp
 
 import keras_dist
-from keras_dist.compression import BF16, FP16, NoCompression
-from keras_dist.compression import base as base_module
-from keras_dist.compression.base import (
+from keras_dist.compression import (
+    BF16,
     DEFAULT_BUCKET_BYTES,
+    FP16,
+    NoCompression,
     VariableSpec,
     all_reduce_flat,
     all_reduce_sum,
     plan_buckets,
 )
+from keras_dist.core import plain as plain_module
 from keras_dist.testing import run_workers
 
 F32 = tf.float32
@@ -133,13 +135,13 @@ SHAPES = [(3, 3, 4, 16), (16,), (64, 48), (48,), (48, 10), (10,)]
 
 def record_all_reduce_sum(monkeypatch):
     calls = []
-    original = base_module.all_reduce_sum
+    original = plain_module.all_reduce_sum
 
     def recording(tensors, bucket_bytes=None):
         calls.append([tuple(t.shape) for t in tensors])
         return original(tensors, bucket_bytes)
 
-    monkeypatch.setattr(base_module, "all_reduce_sum", recording)
+    monkeypatch.setattr(plain_module, "all_reduce_sum", recording)
     return calls
 
 

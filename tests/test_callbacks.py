@@ -14,9 +14,10 @@ import tensorflow as tf
 from helpers import compile_model, make_data, max_abs_diff, mlp
 
 import keras_dist
-from keras_dist import _gradient_statistics, noise_scale
+from keras_dist import noise_scale
 from keras_dist._fit_data import prepare_fit_arguments
 from keras_dist.callbacks import AutoScaleBatch, ScaledLearningRate
+from keras_dist.core import statistics as _gradient_statistics
 
 
 class RecordRate(keras.callbacks.Callback):

@@ -13,7 +13,8 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.trainer import Trainer
 
-from keras_dist import _compat
+from keras_dist._compat import keras_src as _compat
+from keras_dist._compat import tf_internal
 
 
 def test_versions_are_the_tested_ones():
@@ -66,7 +67,7 @@ def test_trainer_private_members_exist():
 
 def test_multi_worker_mode_probe_exists():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
-    assert not _compat.is_multi_worker(strategy)
+    assert not tf_internal.is_multi_worker(strategy)
     assert hasattr(
         tf.distribute.MultiWorkerMirroredStrategy, "extended"
     )  # the probe reads strategy.extended._in_multi_worker_mode

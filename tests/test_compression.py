@@ -20,11 +20,12 @@ from keras_dist.compression import (
     NoCompression,
     PowerSGD,
     TopK,
+    tensor_bytes,
 )
-from keras_dist.compression import base as base_module
-from keras_dist.compression import casts as casts_module
-from keras_dist.compression import powersgd as powersgd_module
-from keras_dist.compression import topk as topk_module
+from keras_dist.core import casts as casts_module
+from keras_dist.core import plain as plain_module
+from keras_dist.core import powersgd as powersgd_module
+from keras_dist.core import topk as topk_module
 
 
 def all_hooks():
@@ -375,7 +376,7 @@ def record_payload(monkeypatch, module, name, sizes):
 
     def recording(*args):
         tensors = [t for arg in args if isinstance(arg, list) for t in arg]
-        sizes.append(sum(base_module.tensor_bytes(t) for t in tensors))
+        sizes.append(sum(tensor_bytes(t) for t in tensors))
         return original(*args)
 
     monkeypatch.setattr(module, name, recording)
@@ -407,8 +408,8 @@ def test_powersgd_resnet18_ratios_match_the_paper(monkeypatch):
 @pytest.mark.parametrize(
     "hook, module, helpers",
     [
-        (NoCompression(), base_module, ["all_reduce_sum"]),
-        (TopK(ratio=0.1), topk_module, ["_all_gather_int32", "all_reduce_sum"]),
+        (NoCompression(), plain_module, ["all_reduce_sum"]),
+        (TopK(ratio=0.1), topk_module, ["all_gather_pairs", "all_reduce_sum"]),
         (PowerSGD(rank=2, start_step=0), powersgd_module, ["all_reduce_flat"]),
     ],
     ids=hook_id,

@@ -16,12 +16,16 @@ import pytest
 import tensorflow as tf
 from helpers import Harness
 
-from keras_dist.compression import DGC, PowerSGD, TopK
-from keras_dist.compression import base as base_module
-from keras_dist.compression import dgc as dgc_module
-from keras_dist.compression import powersgd as powersgd_module
-from keras_dist.compression import topk as topk_module
-from keras_dist.compression.base import DEFAULT_BUCKET_BYTES, plan_buckets
+from keras_dist.compression import (
+    DEFAULT_BUCKET_BYTES,
+    DGC,
+    PowerSGD,
+    TopK,
+    plan_buckets,
+)
+from keras_dist.core import plain as plain_module
+from keras_dist.core import powersgd as powersgd_module
+from keras_dist.core import topk as topk_module
 
 # Mixed sizes and dtypes. Bytes: 2304, 64, 12288, 192, 20, 480, 24, 400.
 SHAPES = [(3, 3, 4, 16), (16,), (64, 48), (48,), (5,), (20, 12), (12,), (10, 10)]
@@ -255,8 +259,8 @@ def expected_powersgd_calls(hook, tensors):
 
 
 SPARSIFIER_HELPERS = {
-    TopK: (topk_module, "_all_gather_int32"),
-    DGC: (dgc_module, "_all_gather_words"),
+    TopK: (topk_module, "all_gather_pairs"),
+    DGC: (topk_module, "all_gather_pairs"),
 }
 
 
@@ -315,7 +319,7 @@ def test_one_bucket_after_the_other_and_bytes_are_what_is_sent(
 def test_powersgd_plain_steps_are_bucketed(monkeypatch, mirrored, size):
     """Before `start_step`, `all_reduce_sum` gets the hook's bucket size."""
     calls = []
-    original = base_module.all_reduce_sum
+    original = plain_module.all_reduce_sum
 
     def recording(tensors, bucket_bytes=None):
         calls.append(bucket_bytes)

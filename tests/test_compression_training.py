@@ -15,8 +15,8 @@ from keras_dist.compression import (
     NoCompression,
     PowerSGD,
     TopK,
+    all_reduce_sum,
 )
-from keras_dist.compression.base import all_reduce_sum
 from keras_dist.testing import run_workers
 
 BATCH = 16

@@ -11,8 +11,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dist
-from keras_dist.compression import AllReduceHook
-from keras_dist.compression.base import all_reduce_sum
+from keras_dist.compression import AllReduceHook, all_reduce_sum
 
 
 def regression_data(n=64, nan_at=None):

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dist
+from keras_dist._compat import keras_src
 
 TOLERANCE = 1e-6
 
@@ -198,7 +199,7 @@ class RecordingSGD(keras.optimizers.SGD):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        keras_dist._compat.set_untracked_attribute(self, "gradient_types", set())
+        keras_src.set_untracked_attribute(self, "gradient_types", set())
 
     def update_step(self, gradient, variable, learning_rate):
         self.gradient_types.add(type(gradient).__name__)

@@ -8,8 +8,7 @@ import workers
 from helpers import OPTIMIZERS, compile_model, make_data, max_abs_diff, mlp
 
 import keras_dist
-from keras_dist.compression import AllReduceHook, NoCompression
-from keras_dist.compression.base import all_reduce_sum
+from keras_dist.compression import AllReduceHook, NoCompression, all_reduce_sum
 from keras_dist.testing import WorkerError, run_workers
 
 EPOCHS = 2

@@ -9,8 +9,7 @@ import workers
 from helpers import OPTIMIZERS, compile_model, make_data, max_abs_diff, mlp
 
 import keras_dist
-from keras_dist.compression import AllReduceHook
-from keras_dist.compression.base import all_reduce_sum
+from keras_dist.compression import AllReduceHook, all_reduce_sum
 from keras_dist.testing import run_workers
 
 ACCUMULATION_OPTIMIZERS = {

@@ -5,17 +5,14 @@ Keras and TensorFlow internals `_compat` relies on, so an upgrade that moves
 them fails here, loudly.
 """
 
-import io
-import sys
-import textwrap
-
 import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import parameter_server_strategy
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
-from keras_dist import _compat, _process, models
+from keras_dist import models
+from keras_dist._compat import keras_src as _compat
 
 
 def _op_types(function, *args):
@@ -96,83 +93,3 @@ def test_shards_are_found_and_their_gradients_joined():
     joined = models._join_shard_gradients(tape.gradient(dense_loss, shards), shards)
     np.testing.assert_allclose(joined, tape.gradient(full_dense, full))
     assert models._join_shard_gradients([None, None], shards) is None
-
-
-def _task(name, code):
-    return _process.TaskSpec(name, [sys.executable, "-c", textwrap.dedent(code)], {})
-
-
-def test_launcher_restarts_a_lost_worker_in_place_then_goes_on_without_it(tmp_path):
-    """The launcher's part of a parameter-server job surviving its workers."""
-    out, messages = io.StringIO(), []
-    chief_may_exit = tmp_path / "done"
-    runs = tmp_path / "runs"
-    specs = [
-        _task(
-            "chief:0",
-            f"""
-            import os, time
-            while not os.path.exists({str(chief_may_exit)!r}):
-                time.sleep(0.02)
-            time.sleep(1.5)  # the launcher sees worker:1's exit first
-            """,
-        ),
-        _task("worker:0", "import time; time.sleep(60)"),
-        # worker:1 fails at once, every time; the second failure, with no
-        # restart left, lets the chief finish.
-        _task(
-            "worker:1",
-            f"""
-            import os, sys
-            with open({str(runs)!r}, "a") as file:
-                file.write("run\\n")
-            if open({str(runs)!r}).read().count("run") == 2:
-                open({str(chief_may_exit)!r}, "w").close()
-            sys.exit(9)
-            """,
-        ),
-    ]
-
-    status = _process.run_tasks(
-        specs,
-        out,
-        messages.append,
-        grace_period=1.0,
-        coordinator="chief:0",
-        replaceable=["worker:0", "worker:1"],
-        restarts=1,
-    )
-
-    assert status == 0, messages
-    assert runs.read_text().count("run") == 2
-    assert messages[:2] == [
-        "task worker:1 failed with exit code 9; started it again in place (the "
-        "coordinator retries its steps); 0 restart(s) left.",
-        "task worker:1 failed with exit code 9; the coordinator retries its "
-        "steps on worker:0.",
-    ]
-    assert messages[2:] == [
-        "chief:0 (the coordinator) finished; stopping the 1 worker task(s) still "
-        "serving."
-    ]
-
-
-def test_launcher_stops_when_no_worker_is_left():
-    messages = []
-    specs = [
-        _task("chief:0", "import time; time.sleep(60)"),
-        _task("worker:0", "import sys; sys.exit(4)"),
-    ]
-    status = _process.run_tasks(
-        specs,
-        io.StringIO(),
-        messages.append,
-        grace_period=1.0,
-        coordinator="chief:0",
-        replaceable=["worker:0"],
-    )
-    assert status == 4
-    assert messages == [
-        "task worker:0 failed with exit code 4 and no worker is left; stopping "
-        "the other tasks."
-    ]

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import keras
 import tensorflow as tf
 
-from keras_dist.compression.base import (
+from keras_dist.core.collectives import all_reduce_sum, replica_context
+from keras_dist.core.hooks import (
     DEFAULT_BUCKET_BYTES,
     AllReduceHook,
     CompressionStats,
-    all_reduce_sum,
-    replica_context,
 )
 
 
@@ -199,7 +197,6 @@ class _CastCompression(AllReduceHook):
         return sent
 
 
-@keras.saving.register_keras_serializable(package="keras_dist")
 class FP16(_CastCompression):
     """Sums gradients in float16: half the bytes of float32.
 
@@ -253,7 +250,6 @@ class FP16(_CastCompression):
     wire_dtype = tf.float16
 
 
-@keras.saving.register_keras_serializable(package="keras_dist")
 class BF16(_CastCompression):
     """Sums gradients in bfloat16: half the bytes, float32's range.
 

@@ -6,22 +6,16 @@ import math
 import numbers
 import types
 
-import keras
 import tensorflow as tf
 
-from keras_dist import _compat
 from keras_dist._validation import check_bool, check_int, check_real
-from keras_dist.compression.base import (
+from keras_dist.core.collectives import num_elements, replica_context
+from keras_dist.core.hooks import (
     DEFAULT_BUCKET_BYTES,
     AllReduceHook,
     CompressionStats,
-    num_elements,
-    replica_context,
 )
-from keras_dist.compression.topk import (
-    reduce_sparsified,
-    top_k_indices,
-)
+from keras_dist.core.topk import reduce_sparsified, top_k_indices
 
 _INDEX_BYTES = 4
 # The paper's warm-up: densities 25%, 6.25%, 1.5625%, 0.390625% (sparsity 75%,
@@ -33,7 +27,6 @@ _WARMUP_FACTOR = 0.25
 _MOMENTUM_ATTRIBUTES = ("momentum", "beta_1", "adam_beta_1")
 
 
-@keras.saving.register_keras_serializable(package="keras_dist")
 class DGC(AllReduceHook):
     """Top-k sparsification that keeps momentum SGD's accuracy.
 
@@ -210,7 +203,7 @@ class DGC(AllReduceHook):
         # Set by `bind_optimizer` while a step is traced; not state, and out
         # of `tf.Module`'s tracking (a checkpoint must not hold the
         # optimizer).
-        self._binding = types.SimpleNamespace(loss_scale_optimizer=None)
+        self._binding = types.SimpleNamespace(loss_scale=None)
 
     # --- Schedule -------------------------------------------------------------
 
@@ -273,25 +266,22 @@ class DGC(AllReduceHook):
             return 0
         return int(self.state("step").numpy())
 
-    def bind_optimizer(self, optimizer) -> None:
+    def bind_optimizer(self, view) -> None:
         """Checks the optimizer that applies this hook's sums.
 
         keras_dist's aggregation path calls it while tracing a step, before
         `reduce`. It refuses an optimizer that applies momentum of its own
-        and remembers a `LossScaleOptimizer`, whose scale `reduce` divides
-        out of the gradients.
+        and remembers the loss scale, which `reduce` divides out of the
+        gradients.
 
         Args:
-            optimizer: The Keras optimizer (possibly wrapped).
+            view: `keras_dist.core.hooks.OptimizerView` of the optimizer
+                (built by the front end).
 
         Raises:
             ValueError: the optimizer, or one it wraps, applies momentum.
         """
-        loss_scale_optimizer = None
-        for nested in _compat.nested_optimizers(optimizer):
-            if isinstance(nested, keras.optimizers.LossScaleOptimizer):
-                loss_scale_optimizer = loss_scale_optimizer or nested
-                continue
+        for nested in view.optimizers:
             for attribute in _MOMENTUM_ATTRIBUTES:
                 value = getattr(nested, attribute, None)
                 if value is None or (
@@ -306,21 +296,16 @@ class DGC(AllReduceHook):
                     f"(momentum={self.momentum}); the optimizer would apply it "
                     f"a second time. Received: optimizer="
                     f"{type(nested).__name__} with {attribute}={value!r}. Use "
-                    "`keras.optimizers.SGD(learning_rate)` (momentum 0) and "
+                    f"`{view.sgd}(learning_rate)` (momentum 0) and "
                     f"set the momentum on the hook: "
                     f"`{type(self).__name__}(momentum=...)`."
                 )
-        self._binding.loss_scale_optimizer = loss_scale_optimizer
+        self._binding.loss_scale = view.loss_scale
 
     def _loss_scale(self):
         """The factor the loss was multiplied by, or `None`."""
-        optimizer = self._binding.loss_scale_optimizer
-        if optimizer is None:
-            return None
-        # The same choice as `LossScaleOptimizer.scale_loss`.
-        if optimizer.built:
-            return tf.convert_to_tensor(optimizer.dynamic_scale)
-        return tf.constant(optimizer.initial_scale, tf.float32)
+        loss_scale = self._binding.loss_scale
+        return None if loss_scale is None else loss_scale()
 
     # --- Reduction ------------------------------------------------------------
 
@@ -375,9 +360,7 @@ class DGC(AllReduceHook):
             updates.append((accumulation, masked_v))
             return top, values
 
-        result = reduce_sparsified(
-            ctx, gradients, self.buckets(gradients), select, _all_gather_words
-        )
+        result = reduce_sparsified(gradients, self.buckets(gradients), select)
 
         if not updates:
             return result
@@ -494,51 +477,3 @@ def _clip_by_global_norm(tensors, threshold):
     )
     factor = threshold / tf.maximum(norm, threshold)
     return [t * tf.cast(factor, t.dtype) for t in tensors]
-
-
-def _to_words(values):
-    """Bit-casts a float vector to int32 words (16-bit: padded to even)."""
-    size = values.dtype.size
-    if size == 4:
-        return tf.bitcast(values, tf.int32)
-    if size == 8:
-        return tf.reshape(tf.bitcast(values, tf.int32), [-1])
-    values = tf.pad(values, [[0, tf.shape(values)[0] % 2]])
-    return tf.bitcast(tf.reshape(values, [-1, 2]), tf.int32)
-
-
-def _from_words(words, dtype, count):
-    """Inverse of `_to_words` for gathered rows `[replicas, words]`."""
-    replicas = tf.shape(words)[0]
-    size = dtype.size
-    if size == 4:
-        values = tf.bitcast(words, dtype)
-    elif size == 8:
-        values = tf.bitcast(tf.reshape(words, [replicas, -1, 2]), dtype)
-    else:
-        values = tf.reshape(tf.bitcast(words, dtype), [replicas, -1])
-    return tf.reshape(values[:, :count], [-1])
-
-
-def _all_gather_words(ctx, tops, values):
-    """All-gathers every (indices, values) pair in one int32 collective.
-
-    Like `TopK`'s, for sizes that may be known only when the step runs (the
-    warm-up's `k`); every replica sends the same sizes. Returns, per pair,
-    the indices and values of all replicas concatenated.
-    """
-    pieces = [*tops, *(_to_words(v) for v in values)]
-    sizes = tf.stack([tf.shape(p)[0] for p in pieces])
-    row = tf.concat(pieces, axis=0)
-    num_replicas = ctx.num_replicas_in_sync
-    gathered = ctx.all_gather(row, axis=0) if num_replicas > 1 else row
-    rows = tf.reshape(gathered, [num_replicas, -1])
-    columns = tf.split(rows, sizes, axis=1, num=len(pieces))
-    n = len(tops)
-    return [
-        (
-            tf.reshape(columns[i], [-1]),
-            _from_words(columns[n + i], values[i].dtype, tf.shape(values[i])[0]),
-        )
-        for i in range(n)
-    ]

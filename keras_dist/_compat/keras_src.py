@@ -1,9 +1,10 @@
-"""Every touch of private Keras and TensorFlow API, in one place.
+"""Every touch of private Keras 3 API (and TensorFlow's, for the Keras front end).
 
 keras_dist fixes places where stock Keras 3 is broken under `tf.distribute`,
-and some of those fixes need private hooks. They all live here, each with the
-reason, so an upgrade has one file to check. `tests/test_compat.py` fails
-loudly when any of them moves.
+and some of those fixes need private hooks. They all live here (the core's
+TensorFlow touches in `tf_internal.py`), each with the reason, so an upgrade
+has one package to check. `tests/test_compat.py` fails loudly when any of
+them moves.
 
 Tested with TensorFlow 2.21 and Keras 3.15 (declared minimums: TensorFlow
 2.16, Keras 3.5, untested).
@@ -24,6 +25,7 @@ from keras_dist._backend import check_backend
 # others, live in `_versions.py` (checked at `import keras_dist`).
 from keras_dist._versions import TESTED_KERAS as TESTED_KERAS
 from keras_dist._versions import TESTED_TENSORFLOW as TESTED_TENSORFLOW
+from keras_dist.core.hooks import nested_optimizers
 
 check_backend()
 
@@ -45,15 +47,6 @@ _patch_depth: dict[int, int] = {}
 
 def _passthrough_all_reduce(grads_and_vars):
     return list(grads_and_vars)
-
-
-def nested_optimizers(optimizer):
-    """Yields `optimizer` and every optimizer it wraps (loss scaling, ...)."""
-    seen = set()
-    while optimizer is not None and id(optimizer) not in seen:
-        seen.add(id(optimizer))
-        yield optimizer
-        optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
 @contextlib.contextmanager
@@ -127,14 +120,6 @@ def model_strategy(model):
 def symbolic_build(model, data_batch) -> None:
     """`Trainer._symbolic_build`: builds layers, metrics and loss from a batch."""
     model._symbolic_build(data_batch=data_batch)
-
-
-def is_multi_worker(strategy) -> bool:
-    """Whether `strategy` is a MultiWorkerMirroredStrategy spanning workers."""
-    return (
-        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-        and strategy.extended._in_multi_worker_mode()
-    )
 
 
 # --- Model classes ------------------------------------------------------------

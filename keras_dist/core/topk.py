@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import math
 
-import keras
 import tensorflow as tf
 
 from keras_dist._validation import check_bool, check_real
-from keras_dist.compression.base import (
-    DEFAULT_BUCKET_BYTES,
-    AllReduceHook,
+from keras_dist.core.collectives import (
+    all_gather_pairs,
     all_reduce_sum,
     num_elements,
-    replica_context,
+)
+from keras_dist.core.hooks import (
+    DEFAULT_BUCKET_BYTES,
+    AllReduceHook,
     zero_if_not_finite,
 )
 
 _INDEX_BYTES = 4
 
 
-@keras.saving.register_keras_serializable(package="keras_dist")
 class TopK(AllReduceHook):
     """Sends only the largest gradient entries of each tensor.
 
@@ -112,7 +112,6 @@ class TopK(AllReduceHook):
 
     def reduce(self, gradients, variables):
         gradients, indices = self.prepare(gradients, variables)
-        ctx = replica_context()
         residual_updates = []
 
         def select(position):
@@ -130,9 +129,7 @@ class TopK(AllReduceHook):
                 residual_updates.append((residual, unsent))
             return top, values
 
-        result = reduce_sparsified(
-            ctx, gradients, self.buckets(gradients), select, _all_gather_int32
-        )
+        result = reduce_sparsified(gradients, self.buckets(gradients), select)
 
         updates = [
             residual.assign(tf.reshape(zero_if_not_finite(unsent), residual.shape))
@@ -215,66 +212,14 @@ def top_k_indices(magnitudes, k):
     return tf.cond(tf.shape(candidates)[0] >= k, among_candidates, full)
 
 
-def _to_int32(values):
-    """Bit-casts a float vector to an int32 vector (16-bit: padded to even)."""
-    size = values.dtype.size
-    if size == 4:
-        return tf.bitcast(values, tf.int32)
-    if size == 8:
-        return tf.reshape(tf.bitcast(values, tf.int32), [-1])
-    count = int(values.shape[0])
-    if count % 2:
-        values = tf.concat([values, tf.zeros([1], values.dtype)], axis=0)
-    return tf.bitcast(tf.reshape(values, [-1, 2]), tf.int32)
-
-
-def _from_int32(words, dtype, count, num_replicas):
-    """Inverse of `_to_int32` for `num_replicas` gathered rows of `count`."""
-    size = dtype.size
-    if size == 4:
-        values = tf.bitcast(words, dtype)
-    elif size == 8:
-        values = tf.bitcast(tf.reshape(words, [-1, 2]), dtype)
-    else:
-        values = tf.reshape(tf.bitcast(words, dtype), [-1])
-    values = tf.reshape(values, [num_replicas, -1])[:, :count]
-    return tf.reshape(values, [-1])
-
-
-def _all_gather_int32(ctx, tops, values):
-    """All-gathers every (indices, values) pair in one int32 collective.
-
-    Returns, per pair, the indices and values of all replicas concatenated.
-    """
-    pieces = [*tops, *(_to_int32(v) for v in values)]
-    sizes = [int(p.shape[0]) for p in pieces]
-    row = tf.concat(pieces, axis=0)
-    num_replicas = ctx.num_replicas_in_sync
-    gathered = ctx.all_gather(row, axis=0) if num_replicas > 1 else row
-    rows = tf.reshape(gathered, [num_replicas, sum(sizes)])
-    columns = tf.split(rows, sizes, axis=1)
-    n = len(tops)
-    out = []
-    for i in range(n):
-        top = tf.reshape(columns[i], [-1])
-        value = _from_int32(
-            tf.reshape(columns[n + i], [-1]),
-            values[i].dtype,
-            int(values[i].shape[0]),
-            num_replicas,
-        )
-        out.append((top, value))
-    return out
-
-
-def reduce_sparsified(ctx, gradients, buckets, select, all_gather) -> list:
+def reduce_sparsified(gradients, buckets, select) -> list:
     """Sums the gradients of a sparsifying hook, one bucket after the other.
 
     For each bucket, in order: `select(position)` returns the `(indices,
     values)` this replica sends for each floating-point gradient, and
-    `all_gather(ctx, indices_list, values_list)` exchanges the whole bucket's
-    in one collective, returning every replica's `(indices, values)` per
-    gradient; they are added into dense zero tensors (duplicates add up).
+    `all_gather_pairs` exchanges the whole bucket's in one collective,
+    returning every replica's `(indices, values)` per gradient; they are
+    added into dense zero tensors (duplicates add up).
     The bucket's other gradients are all-reduced as they are.
 
     Returns:
@@ -286,8 +231,8 @@ def reduce_sparsified(ctx, gradients, buckets, select, all_gather) -> list:
         others = [p for p in bucket if not gradients[p].dtype.is_floating]
         if floats:
             selections = [select(p) for p in floats]
-            gathered = all_gather(
-                ctx, [top for top, _ in selections], [v for _, v in selections]
+            gathered = all_gather_pairs(
+                [top for top, _ in selections], [v for _, v in selections]
             )
             for position, (top, values) in zip(floats, gathered):
                 gradient = gradients[position]

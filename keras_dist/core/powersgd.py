@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 
-import keras
 import tensorflow as tf
 
 from keras_dist._validation import check_bool, check_int, check_real
-from keras_dist.compression.base import (
-    DEFAULT_BUCKET_BYTES,
-    AllReduceHook,
-    CompressionStats,
+from keras_dist.core.collectives import (
     all_reduce_flat,
     all_reduce_sum,
     num_elements,
     replica_context,
+)
+from keras_dist.core.hooks import (
+    DEFAULT_BUCKET_BYTES,
+    AllReduceHook,
+    CompressionStats,
     zero_if_not_finite,
 )
 
@@ -54,7 +55,6 @@ class MatrixPlan:
         return (self.rows + self.cols) * self.rank * self.dtype.size
 
 
-@keras.saving.register_keras_serializable(package="keras_dist")
 class PowerSGD(AllReduceHook):
     """Low-rank gradient compression with error feedback and warm start.
 

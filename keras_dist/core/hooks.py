@@ -1,17 +1,21 @@
-"""The all-reduce hook protocol shared by every gradient compressor."""
+"""The all-reduce hook protocol shared by every gradient compressor.
+
+Pure TensorFlow: the Keras 3 front end registers the hooks for Keras's
+serialization (`keras_dist.compression`), the tf_keras front end uses them
+as they are. Collectives go through `keras_dist.core.collectives`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 import types
+from collections.abc import Callable
 
-import keras
 import tensorflow as tf
 
-from keras_dist._validation import check_int
+from keras_dist.core.collectives import check_bucket_bytes, num_elements, plan_buckets
 
 # Dtypes TensorFlow's collectives can sum on every backend keras_dist supports
 # (`all_reduce` rejects int8/uint8 on CPU; bool, complex and strings are not
@@ -51,16 +55,6 @@ class CompressionStats:
         return self.raw_bytes / self.sent_bytes if self.sent_bytes else 1.0
 
 
-def tensor_bytes(tensor) -> int:
-    """Returns the size in bytes of `tensor` (a tensor, variable or spec)."""
-    return num_elements(tensor.shape) * tf.as_dtype(tensor.dtype).size
-
-
-def num_elements(shape) -> int:
-    """Returns the number of elements of a fully defined `shape`."""
-    return math.prod(int(d) for d in tuple(shape))
-
-
 @dataclasses.dataclass(frozen=True)
 class VariableSpec:
     """What a hook knows about one variable it was built for.
@@ -81,6 +75,42 @@ class VariableSpec:
         return num_elements(self.shape) * self.dtype.size
 
 
+def nested_optimizers(optimizer):
+    """Yields `optimizer` and every optimizer it wraps (`inner_optimizer`).
+
+    Loss scaling, accumulation and other wrappers of both Keras front ends
+    keep what they wrap in `inner_optimizer`.
+    """
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        yield optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerView:
+    """What a hook may know of the optimizer that applies its sums.
+
+    The aggregation path gives it to a hook that defines `bind_optimizer`
+    (`DGC`, which applies momentum itself) before `reduce`. Each front end
+    builds it from its own optimizer classes, so the core imports neither.
+
+    Attributes:
+        optimizers: Tuple. The optimizer and every one it wraps, outermost
+            first.
+        loss_scale: Callable returning the float32 factor the loss was
+            multiplied by (a loss-scaling optimizer's current scale), or
+            `None` without loss scaling.
+        sgd: String. This front end's plain SGD class, for error messages
+            (`"keras.optimizers.SGD"`, `"tf_keras.optimizers.SGD"`).
+    """
+
+    optimizers: tuple
+    loss_scale: Callable | None = None
+    sgd: str = "keras.optimizers.SGD"
+
+
 class AllReduceHook(tf.Module):
     """Base class of gradient all-reduce hooks: subclass it to write your own.
 
@@ -92,9 +122,10 @@ class AllReduceHook(tf.Module):
     and dtypes. The loss is already scaled by `1 / num_replicas_in_sync`, so
     the sum is the gradient of the global-batch mean loss.
 
-    Inside `reduce`, use `tf.distribute.get_replica_context()` for the
-    collectives (`all_reduce`, `all_gather`), or the helpers of this module
-    (`all_reduce_sum`, `all_reduce_flat`). Every replica must issue the same
+    Inside `reduce`, issue collectives through keras_dist's collective layer
+    (`keras_dist.compression.all_reduce_sum`, `all_reduce_flat`,
+    `all_gather`, `all_gather_pairs`): it keeps the collectives of several
+    strategies in one process apart. Every replica must issue the same
     collectives in the same order, or the job deadlocks: never put a
     collective inside a `tf.cond` or loop that runs in replica context
     (`tf.distribute.MirroredStrategy` cannot trace it; `PowerSGD` shows how to
@@ -130,7 +161,7 @@ class AllReduceHook(tf.Module):
 
     The built-in hooks use only this public surface (`prepare`,
     `variable_specs`, `add_state`, `state`, the collective helpers); copy
-    `keras_dist.compression.casts` or `topk` as a template.
+    `keras_dist/core/casts.py` or `topk.py` as a template.
 
     Example:
 
@@ -138,9 +169,8 @@ class AllReduceHook(tf.Module):
     @keras.saving.register_keras_serializable(package="my_project")
     class HalfPrecision(keras_dist.compression.AllReduceHook):
         def reduce(self, gradients, variables):
-            ctx = tf.distribute.get_replica_context()
             half = [tf.cast(g, "float16") for g in gradients]
-            summed = ctx.all_reduce("sum", half)
+            summed = keras_dist.compression.all_reduce_sum(half)
             return [tf.cast(s, g.dtype) for s, g in zip(summed, gradients)]
 
     model = keras_dist.DistributedModel(inputs, outputs,
@@ -396,7 +426,7 @@ class AllReduceHook(tf.Module):
                 gradients, _ = self.prepare(gradients, variables)
                 calls = self.state("calls")
                 with tf.control_dependencies([calls.assign_add(1)]):
-                    return keras_dist.compression.base.all_reduce_sum(gradients)
+                    return keras_dist.compression.all_reduce_sum(gradients)
         ```
         """
         aggregations = {
@@ -659,70 +689,6 @@ class AllReduceHook(tf.Module):
         return f"{type(self).__name__}({args})"
 
 
-@keras.saving.register_keras_serializable(package="keras_dist")
-class NoCompression(AllReduceHook):
-    """Plain sum all-reduce, the default hook.
-
-    The gradients are summed at their own precision, as stock Keras does,
-    but owned by keras_dist so it happens once, before clipping. They go in
-    buckets of about `bucket_bytes`, in reverse order of the model's
-    variables, one collective per bucket issued as soon as its gradients
-    exist, so communication overlaps the rest of the backward pass (see
-    `plan_buckets`). Sparse gradients (`tf.IndexedSlices`, from `Embedding`
-    and other gathers) stay sparse, as in stock Keras: their rows and
-    indices are all-gathered, in their place in that order, and the
-    optimizer applies a sparse update. The compressing hooks densify them
-    (they compress dense tensors); for a large vocabulary keep this hook.
-
-    Args:
-        bucket_bytes: Int or `None`. Bytes per collective (see
-            `plan_buckets`). `None` sends all gradients of a dtype in one
-            collective after the whole backward pass. Defaults to
-            `DEFAULT_BUCKET_BYTES` (4 MiB).
-
-    Example:
-
-    ```python
-    model = keras_dist.DistributedModel(
-        inputs, outputs, all_reduce_hook=keras_dist.compression.NoCompression()
-    )
-    ```
-    """
-
-    def __init__(self, bucket_bytes=DEFAULT_BUCKET_BYTES):
-        super().__init__(bucket_bytes=bucket_bytes)
-
-    def get_config(self) -> dict:
-        return {"bucket_bytes": self.bucket_bytes}
-
-    def reduce(self, gradients, variables):
-        gradients, _ = self.prepare(gradients, variables, keep_sparse=True)
-        ctx = replica_context()
-        result = [None] * len(gradients)
-        for bucket in self.buckets(gradients):
-            if _is_sparse(gradients[bucket[0]]):
-                # Sparse gradients (embeddings, gathers) stay
-                # `tf.IndexedSlices`, as in stock Keras: the strategy
-                # all-gathers their rows and indices instead of summing a
-                # dense vocabulary-sized tensor, and the optimizer applies
-                # them as sparse updates.
-                (i,) = bucket
-                if ctx.num_replicas_in_sync == 1:
-                    result[i] = gradients[i]
-                else:
-                    result[i] = ctx.all_reduce(tf.distribute.ReduceOp.SUM, gradients[i])
-                continue
-            # One dtype per bucket: one collective.
-            summed = all_reduce_sum([gradients[i] for i in bucket])
-            for i, value in zip(bucket, summed):
-                result[i] = value
-        return result
-
-
-def _is_sparse(gradient) -> bool:
-    return isinstance(gradient, tf.IndexedSlices)
-
-
 def _check_gradient(position, gradient, spec, rows=False) -> None:
     """Raises ValueError if `gradient` does not fit the variable of `spec`.
 
@@ -751,176 +717,6 @@ def _check_gradient(position, gradient, spec, rows=False) -> None:
             f"{spec.name!r}, {spec.shape}. Received: shape "
             f"{tuple(gradient.shape)}{' (rows of a sparse gradient)' if rows else ''}."
         )
-
-
-def replica_context() -> tf.distribute.ReplicaContext:
-    """Returns the current replica context; raises RuntimeError outside one."""
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None:
-        raise RuntimeError(
-            "All-reduce hooks must run in a replica context (inside "
-            "`strategy.run`), not in cross-replica context."
-        )
-    return ctx
-
-
-def all_reduce_sum(tensors, bucket_bytes=None):
-    """Sums `tensors` over replicas, one collective per bucket.
-
-    TensorFlow cannot all-reduce a list of mixed dtypes in one call, so the
-    tensors are grouped by dtype (and, with `bucket_bytes`, by size, see
-    `plan_buckets`) and the results put back in input order. Must be
-    called in replica context.
-
-    Args:
-        tensors: List of tensors (`tf.IndexedSlices` are densified).
-        bucket_bytes: Int or `None`. `None` (the default): one collective
-            per dtype. An int: buckets of about that many bytes, issued in
-            reverse order of `tensors`.
-
-    Returns:
-        List of summed tensors in the input order.
-
-    Raises:
-        RuntimeError: called in cross-replica context.
-    """
-    return _sum_by_bucket(
-        tensors,
-        lambda ctx, group: ctx.all_reduce(tf.distribute.ReduceOp.SUM, group),
-        bucket_bytes,
-    )
-
-
-def all_reduce_flat(tensors, bucket_bytes=None):
-    """Sums `tensors` over replicas, each bucket packed into one flat buffer.
-
-    Like `all_reduce_sum`, but the tensors of each bucket are concatenated
-    into one vector first, so many small tensors (PowerSGD's factors, bias
-    vectors) cost one collective launch instead of one each.
-
-    Args:
-        tensors: List of tensors with static shapes.
-        bucket_bytes: Int or `None`. As in `all_reduce_sum`.
-
-    Returns:
-        List of summed tensors in the input order.
-
-    Raises:
-        RuntimeError: called in cross-replica context.
-    """
-    return _sum_by_bucket(tensors, _sum_flat, bucket_bytes)
-
-
-def _sum_flat(ctx, group):
-    if len(group) == 1:
-        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, group)
-    flat = tf.concat([tf.reshape(t, [-1]) for t in group], axis=0)
-    (summed,) = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [flat])
-    sizes = [num_elements(t.shape) for t in group]
-    return [
-        tf.reshape(part, tensor.shape)
-        for tensor, part in zip(group, tf.split(summed, sizes))
-    ]
-
-
-def _sum_by_bucket(tensors, sum_group, bucket_bytes):
-    """Applies `sum_group(ctx, tensors_of_one_bucket)` per bucket, in order.
-
-    The grouping both `all_reduce_sum` and `all_reduce_flat` share.
-    """
-    ctx = replica_context()
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if ctx.num_replicas_in_sync == 1 or not tensors:
-        return tensors
-    result = [None] * len(tensors)
-    for bucket in plan_buckets(tensors, bucket_bytes):
-        summed = sum_group(ctx, [tensors[i] for i in bucket])
-        for i, value in zip(bucket, summed):
-            result[i] = value
-    return result
-
-
-def check_bucket_bytes(bucket_bytes, argument="bucket_bytes"):
-    """Returns `bucket_bytes` (a positive int or `None`) after checking it."""
-    return check_int(
-        argument,
-        bucket_bytes,
-        minimum=1,
-        allow_none=True,
-        hint=(
-            "Pass a size in bytes (for example 4 * 2**20), or None for one "
-            "collective per dtype."
-        ),
-    )
-
-
-def plan_buckets(tensors, bucket_bytes) -> list:
-    """Groups gradients into the buckets that hooks reduce one at a time.
-
-    The backward pass computes the last layers' gradients first. Reducing
-    them in buckets, in reverse order of the model's variables, lets each
-    bucket's collective run while earlier layers' gradients are still being
-    computed. TensorFlow launches a step's collectives in program order (each
-    waits for the previous one through the launcher's ordering token), so
-    the first bucket issued must hold the first gradients computed: a
-    collective issued first for the first layer, computed last, would hold
-    back every other. This is the order PyTorch DDP starts from
-    (`bucket_cap_mb`).
-
-    Walking `tensors` from last to first, each dtype fills its own bucket
-    until it holds at least `bucket_bytes`; a tensor larger than that is a
-    bucket of its own, and a sparse `tf.IndexedSlices` is always alone (it is
-    all-gathered, not summed). Buckets come out in the order their first
-    tensor was reached, so the plan depends only on shapes and dtypes: the
-    same on every replica and worker, as the collectives require.
-
-    Args:
-        tensors: List of tensors, `tf.IndexedSlices` or `VariableSpec`s, in
-            the order of the model's variables (forward order).
-        bucket_bytes: Int or `None`. `None`: one bucket per dtype, in input
-            order (one collective per dtype after the whole backward pass).
-
-    Returns:
-        A list of buckets, each a non-empty list of positions into
-        `tensors`; every position appears once.
-    """
-    bucket_bytes = check_bucket_bytes(bucket_bytes)
-    if bucket_bytes is None:
-        groups: dict = {}
-        for position, tensor in enumerate(tensors):
-            if _is_sparse(tensor):
-                groups[("sparse", position)] = [position]
-            else:
-                groups.setdefault(tf.as_dtype(tensor.dtype), []).append(position)
-        return list(groups.values())
-    closed = []
-    open_buckets: dict = {}
-    sizes: dict = {}
-    for position in reversed(range(len(tensors))):
-        tensor = tensors[position]
-        if _is_sparse(tensor):
-            closed.append([position])
-            continue
-        dtype = tf.as_dtype(tensor.dtype)
-        bucket = open_buckets.setdefault(dtype, [])
-        if not bucket:
-            # The bucket takes its place in the order now, when its first
-            # (earliest computed) gradient is reached.
-            closed.append(bucket)
-        bucket.append(position)
-        sizes[dtype] = sizes.get(dtype, 0) + _nbytes(tensor)
-        if sizes[dtype] >= bucket_bytes:
-            del open_buckets[dtype]
-            sizes[dtype] = 0
-    return closed
-
-
-def _nbytes(tensor) -> int:
-    shape = tf.TensorShape(tensor.shape)
-    # Planned with static shapes; an unknown dimension counts as one (the
-    # bucket boundary moves, the sums do not).
-    dims = [] if shape.rank is None else shape.as_list()
-    return math.prod(d or 1 for d in dims) * tf.as_dtype(tensor.dtype).size
 
 
 def zero_if_not_finite(tensor):

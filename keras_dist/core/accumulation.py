@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_dist.core.collectives import all_reduce
+
 
 def read(variable):
     """A variable's value as a tensor (Keras variables and tf.Variables)."""
@@ -105,12 +107,7 @@ class AccumulationCycle:
         tf.distribute.get_replica_context().merge_call(cross_replica_update)
 
     def _apply_mean(self, accumulators, variables, apply):
-        ctx = tf.distribute.get_replica_context()
-        local = tf.identity(read(self.examples))
-        if ctx.num_replicas_in_sync > 1:
-            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, local)
-        else:
-            total = local
+        total = all_reduce(tf.identity(read(self.examples)))
         grads = [
             tf.math.divide_no_nan(tf.identity(read(a)), tf.cast(total, a.dtype))
             for a in accumulators

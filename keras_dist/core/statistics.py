@@ -1,6 +1,6 @@
 """`GradientStatistics`: the squared gradient norms behind the noise scale.
 
-The aggregation path (`keras_dist._aggregation.reduce_and_apply`) holds both
+The aggregation path (`keras_dist.core.aggregation`) holds both
 a replica's own gradient and the all-reduced one. When `GradientStatistics`
 are attached to the optimizer (`attach_statistics`, done by
 `keras_dist.callbacks.AutoScaleBatch` in adaptive mode), the path records
@@ -11,13 +11,16 @@ side of that measurement; the arithmetic is framework-free.
 
 from __future__ import annotations
 
+import weakref
+
 import tensorflow as tf
 
-from keras_dist import _compat
+from keras_dist.core.collectives import all_reduce
+from keras_dist.core.hooks import nested_optimizers
 
-# Instance attribute, set untracked so that Keras's attribute tracking does
-# not make the statistics part of the optimizer's checkpoints.
-_STATISTICS_ATTRIBUTE = "_keras_dist_gradient_statistics"
+# Optimizer -> its statistics. Kept here, not on the optimizer: an attribute
+# would be tracked (and checkpointed) by Keras and tf.Module.
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class GradientStatistics:
@@ -82,7 +85,7 @@ class GradientStatistics:
         context = tf.distribute.get_replica_context()
         replicas = context.num_replicas_in_sync
         local = _squared_norm(local_gradients) * float(replicas) ** 2
-        local = context.all_reduce(tf.distribute.ReduceOp.MEAN, local)
+        local = all_reduce(local, op="mean")
         reduced = _squared_norm(reduced_gradients)
         finite = tf.logical_and(tf.math.is_finite(local), tf.math.is_finite(reduced))
         zero = tf.zeros((), tf.float64)
@@ -120,10 +123,10 @@ def attach_statistics(optimizer, statistics: GradientStatistics) -> None:
     receives the inner optimizer of a `GradientAccumulationOptimizer`. Takes
     effect in train functions traced afterwards.
     """
-    for nested in _compat.nested_optimizers(optimizer):
-        _compat.set_untracked_attribute(nested, _STATISTICS_ATTRIBUTE, statistics)
+    for nested in nested_optimizers(optimizer):
+        _ATTACHED[nested] = statistics
 
 
 def gradient_statistics(optimizer):
     """Returns the `GradientStatistics` attached to `optimizer`, or `None`."""
-    return getattr(optimizer, _STATISTICS_ATTRIBUTE, None)
+    return _ATTACHED.get(optimizer)

@@ -1,33 +1,22 @@
-"""The one gradient aggregation path of keras_dist.
+"""The one gradient aggregation path of keras_dist, in pure TensorFlow.
 
-`reduce_gradients` is pure TensorFlow and shared by both front ends (Keras 3
-and tf_keras); `reduce_and_apply` adds the Keras 3 optimizer.
+    per-replica gradients -> weigh by batch share -> all-reduce hook (sum
+        over replicas) -> the front end's optimizer apply
 
-    per-replica gradients -> all-reduce hook (sum over replicas)
-        -> optimizer.apply: loss-scale check, clipping, weight decay, update
-
-`DistributedModel.train_step` and `GradientAccumulationOptimizer` both end in
-`reduce_and_apply`; the accumulation optimizer adds replica-local
-accumulation in front of it. Because the hook reduces *before* the optimizer
-runs, Keras's `clipnorm` / `global_clipnorm` act on the all-reduced gradient
-(stock Keras clips each replica's gradient before its all-reduce).
-
-The path holds both a replica's own gradient and the reduced one, which is
-what the gradient noise scale needs: when `GradientStatistics` are attached
-to the optimizer (`attach_statistics`, done by
-`keras_dist.callbacks.AutoScaleBatch`), `reduce_and_apply` also records their
-squared norms, at the cost of one extra all-reduced scalar per update.
-Without statistics the path is unchanged.
+Both front ends call `reduce_gradients` and then apply the reduced
+gradients with their optimizer: the Keras 3 one in `keras_dist._apply`
+(`DistributedModel.train_step` and `GradientAccumulationOptimizer`), the
+tf_keras one in `keras_dist.tf_keras`. Because the hook reduces *before*
+the optimizer runs, clipping acts on the all-reduced gradient (stock Keras
+clips each replica's gradient before its all-reduce).
 """
 
 from __future__ import annotations
 
-import keras
 import tensorflow as tf
 
-from keras_dist import _compat
-from keras_dist._gradient_statistics import gradient_statistics
-from keras_dist.compression.base import AllReduceHook, _variable_name
+from keras_dist.core.collectives import all_reduce, replica_context
+from keras_dist.core.hooks import AllReduceHook, _variable_name
 
 
 def check_hook(hook, argument="all_reduce_hook") -> AllReduceHook:
@@ -71,65 +60,7 @@ def build_hook(hook: AllReduceHook, variables, strategy) -> None:
             hook.build(variables)
 
 
-def reduce_and_apply(
-    optimizer,
-    gradients,
-    variables,
-    hook: AllReduceHook,
-    batch_size=None,
-    check_finite=False,
-):
-    """Sums `gradients` over replicas through `hook`, then applies them once.
-
-    The Keras 3 front end: `reduce_gradients`, then the Keras optimizer's
-    `apply` (which clips the reduced gradient) with its own all-reduce
-    disabled. Must run in replica context (inside `strategy.run`, or
-    anywhere under the default strategy). `None` gradients are dropped
-    together with their variables, as Keras does.
-
-    Args:
-        optimizer: The Keras optimizer (possibly a `LossScaleOptimizer`).
-        gradients: List of this replica's gradients.
-        variables: List of the matching trainable variables.
-        hook: The `AllReduceHook` that sums the gradients.
-        batch_size: Int, scalar tensor or `None`. The number of examples
-            this replica's gradients come from: each replica's gradient is
-            weighted by its share of the global batch (see
-            `weight_by_batch_share`), which is exact for a last batch that
-            does not split evenly. `None`: the batches are taken as equal.
-        check_finite: Bool. Fail the step, before any weight changes, when
-            the reduced gradient holds NaN or inf (unless a
-            `LossScaleOptimizer` handles that). Defaults to `False`.
-
-    Returns:
-        The list of summed gradients that were applied.
-
-    When `GradientStatistics` are attached to `optimizer`, their squared
-    gradient norms are recorded too (see `GradientStatistics.record`).
-    """
-    grads, trainable, reduced = reduce_gradients(
-        gradients, variables, hook, batch_size=batch_size, optimizer=optimizer
-    )
-    if not reduced:
-        return []
-    statistics = gradient_statistics(optimizer)
-    if statistics is not None:
-        statistics.record(grads, reduced)
-    control = []
-    if check_finite and not _loss_scaled(optimizer):
-        control = [assert_finite(reduced, optimizer.iterations)]
-    # The assert runs before any update (tf.function also orders stateful
-    # ops in program order), so a failing step leaves the weights as they
-    # were.
-    with (
-        tf.control_dependencies(control),
-        _compat.optimizer_all_reduce_disabled(optimizer),
-    ):
-        optimizer.apply(reduced, trainable)
-    return reduced
-
-
-def reduce_gradients(gradients, variables, hook, batch_size=None, optimizer=None):
+def reduce_gradients(gradients, variables, hook, batch_size=None, view=None):
     """The front-end-neutral half of the path: weigh, then sum through `hook`.
 
     Pure TensorFlow, shared by the Keras 3 pieces (`reduce_and_apply`) and
@@ -140,9 +71,13 @@ def reduce_gradients(gradients, variables, hook, batch_size=None, optimizer=None
             dropped with their variables).
         variables: List of the matching trainable variables.
         hook: The built `AllReduceHook` that sums them over replicas.
-        batch_size: Int, scalar tensor or `None`. See `reduce_and_apply`.
-        optimizer: The optimizer that applies the sums, or `None`. A hook
-            that applies momentum itself (DGC) checks it.
+        batch_size: Int, scalar tensor or `None`. The number of examples
+            this replica's gradients come from: each replica's gradient is
+            weighted by its share of the global batch (see
+            `weight_by_batch_share`), which is exact for a last batch that
+            does not split evenly. `None`: the batches are taken as equal.
+        view: `OptimizerView` of the optimizer that applies the sums, or
+            `None`. A hook that applies momentum itself (DGC) checks it.
 
     Returns:
         `(gradients, variables, reduced)`: the kept gradients (weighted by
@@ -167,10 +102,10 @@ def reduce_gradients(gradients, variables, hook, batch_size=None, optimizer=None
     if batch_size is not None:
         grads = weight_by_batch_share(grads, batch_size)
     bind_optimizer = getattr(hook, "bind_optimizer", None)
-    if bind_optimizer is not None and optimizer is not None:
+    if bind_optimizer is not None and view is not None:
         # A hook that applies momentum itself (DGC) checks the optimizer that
         # applies its sums, and finds its loss scale.
-        bind_optimizer(optimizer)
+        bind_optimizer(view)
     reduced = hook.reduce(grads, trainable)
     if len(reduced) != len(grads):
         raise ValueError(
@@ -220,15 +155,6 @@ def _dense_shape(tensor) -> tf.TensorShape:
             return tf.TensorShape([None] * tensor.values.shape.rank)
         return tf.TensorShape(static)
     return tf.TensorShape(tensor.shape)
-
-
-def _loss_scaled(optimizer) -> bool:
-    # A LossScaleOptimizer expects non-finite (overflowed) gradients and
-    # skips those steps itself.
-    return any(
-        isinstance(nested, keras.optimizers.LossScaleOptimizer)
-        for nested in _compat.nested_optimizers(optimizer)
-    )
 
 
 def assert_finite(gradients, iterations):
@@ -283,12 +209,11 @@ def weight_by_batch_share(gradients, batch_size):
     Returns:
         The weighted gradients, in order.
     """
-    ctx = tf.distribute.get_replica_context()
-    replicas = ctx.num_replicas_in_sync
+    replicas = replica_context().num_replicas_in_sync
     if replicas == 1:
         return list(gradients)
     local = tf.cast(batch_size, tf.float32)
-    total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, local)
+    total = all_reduce(local)
     weight = tf.math.divide_no_nan(local * float(replicas), total)
     return [_scale(gradient, weight) for gradient in gradients]
 

@@ -1,0 +1,85 @@
+"""Private TensorFlow API keras_dist touches, with no Keras import.
+
+The core (`keras_dist/core/`) and the tf_keras front end use these; the
+Keras 3 touches are in `keras_src.py`. `tests/test_compat.py` pins each.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
+from tensorflow.python.distribute import cross_device_utils as _cross_device_utils
+
+# --- Collective keys -------------------------------------------------------
+#
+# `MirroredStrategy` and `MultiWorkerMirroredStrategy` number their collective
+# groups from the class attribute `_collective_key_base` (0 unless a test
+# changes it: tensorflow/python/distribute/strategy_combinations.py adds
+# 100000 per strategy for exactly this reason), and every instance starts its
+# instance keys at the same number. The runtime caches collective instances
+# by (group, instance) key for the life of the process, so the replica-context
+# collectives of a second strategy meet the cached instances of the first:
+# "Shape mismatch in the collective instance 101". A strategy's keys live in
+# `extended._collective_keys`, and the `CollectiveAllReduce` objects that
+# issue its collectives hold that object and a group key taken from it when
+# they were made; giving a strategy other keys means new ones of both.
+
+_CROSS_DEVICE_OPS_ATTRIBUTES = (
+    "_collective_ops",
+    "_cross_device_ops",
+    "_host_cross_device_ops",
+)
+
+
+def collective_group_base(strategy) -> int | None:
+    """The first group key `strategy`'s collectives use, or `None` (none)."""
+    keys = getattr(strategy.extended, "_collective_keys", None)
+    if not isinstance(keys, _cross_device_utils.CollectiveKeys):
+        return None
+    return int(getattr(strategy.extended, "_collective_key_base", 0)) + 1
+
+
+def rekey_collectives(strategy, base: int) -> bool:
+    """Gives `strategy` collective group keys starting at `base + 1`.
+
+    Replaces its `CollectiveKeys` and every `CollectiveAllReduce` made with
+    the old keys (same devices, group size and options). Functions traced
+    before keep the keys they captured; everything issued afterwards uses
+    the new ones.
+
+    Returns:
+        Whether `strategy` has collective keys (`False`: the default
+        strategy, `OneDeviceStrategy`, parameter servers, a strategy built
+        with other cross-device ops only).
+    """
+    extended = strategy.extended
+    old_keys = getattr(extended, "_collective_keys", None)
+    if not isinstance(old_keys, _cross_device_utils.CollectiveKeys):
+        return False
+    new_keys = _cross_device_utils.CollectiveKeys(group_key_start=base + 1)
+    replaced = {}
+    for attribute in _CROSS_DEVICE_OPS_ATTRIBUTES:
+        ops = getattr(extended, attribute, None)
+        if not isinstance(ops, _cross_device_ops.CollectiveAllReduce):
+            continue
+        if ops._collective_keys is not old_keys:
+            continue
+        if id(ops) not in replaced:
+            replaced[id(ops)] = _cross_device_ops.CollectiveAllReduce(
+                devices=ops._devices,
+                group_size=ops._group_size,
+                options=ops._options,
+                collective_keys=new_keys,
+            )
+        setattr(extended, attribute, replaced[id(ops)])
+    extended._collective_keys = new_keys
+    extended._collective_key_base = base
+    return True
+
+
+def is_multi_worker(strategy) -> bool:
+    """Whether `strategy` is a MultiWorkerMirroredStrategy spanning workers."""
+    return (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        and strategy.extended._in_multi_worker_mode()
+    )

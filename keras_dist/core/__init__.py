@@ -1,0 +1,17 @@
+"""keras_dist's core: the gradient path both Keras front ends share.
+
+Pure TensorFlow; nothing here imports Keras (a test imports the core with
+`keras` blocked). From the bottom up:
+
+- `collectives`: the collective layer (owns collective keys; all-reduce,
+  all-gather, buckets, packing); every collective of the package.
+- `hooks`: the all-reduce hook protocol; `plain`, `casts`, `topk`,
+  `powersgd`, `dgc`: the built-in hooks' algorithms.
+- `aggregation`: weighing by batch share and the hook's reduction;
+  `accumulation`: the gradient-accumulation cycle; `statistics`: the
+  squared norms behind the gradient noise scale.
+- `inventory`: the one inventory of training state that backups read.
+
+The Keras 3 front end (`DistributedModel`, `GradientAccumulationOptimizer`,
+the callbacks) and the tf_keras one (`keras_dist.tf_keras`) build on it.
+"""

@@ -1,0 +1,402 @@
+"""The collective layer: every all-reduce and all-gather of keras_dist.
+
+Hooks, the aggregation path, accumulation, gradient statistics and backups
+issue their collectives through these functions, never through a replica
+context directly. That gives the collectives one owner, which matters
+because TensorFlow does not keep strategies apart: every `MirroredStrategy`
+of a process numbers its collectives from the same keys, so a second
+strategy's collectives meet the first one's cached instances and abort
+("Shape mismatch in the collective instance 101"). `own(strategy)` gives
+each strategy keys of its own the first time keras_dist sees it; every
+function here calls it.
+
+In replica context (inside `strategy.run`): `all_reduce`,
+`all_reduce_sum`, `all_reduce_flat` (buckets packed into one buffer),
+`all_gather`, `all_gather_pairs` (index/value pairs bit-packed into one
+int32 collective). In cross-replica context: `reduce_across`,
+`gather_across`. Buckets: `plan_buckets`.
+
+Every replica must issue the same collectives in the same order, or the job
+deadlocks: never call these inside a `tf.cond` or loop that runs in replica
+context (branch through `merge_call`, as `PowerSGD` does).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+
+import tensorflow as tf
+
+from keras_dist._compat import tf_internal
+from keras_dist._validation import check_int
+
+# --- Keys ------------------------------------------------------------------
+
+# Group keys of the strategies keras_dist re-keys: each gets a block of
+# `_KEY_BLOCK` keys (a strategy uses one group per set of devices: one or
+# two). MultiWorkerMirroredStrategy has its own range and keeps the first
+# instance's keys: its group keys must agree across worker processes, which
+# may create other (local) strategies in different orders.
+_KEY_BLOCK = 100_000
+_LOCAL_FIRST_BLOCK = 1
+_MULTI_WORKER_FIRST_BLOCK = 10_000
+_BLOCKS_PER_RANGE = 9_999
+
+_lock = threading.Lock()
+_owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_counts = {"local": 0, "multi_worker": 0}
+
+
+def own(strategy=None) -> None:
+    """Gives `strategy` collective keys no other strategy of the process uses.
+
+    Idempotent and cheap after the first call for a strategy. Called by
+    every collective of this module, and by `DistributedModel` and
+    `auto_strategy` before anything is traced, so a strategy is re-keyed
+    before its first collective where keras_dist can arrange it.
+
+    Args:
+        strategy: A `tf.distribute.Strategy`, or `None` for the current one.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    extended = strategy.extended
+    if extended in _owned:
+        return
+    with _lock:
+        if extended in _owned:
+            return
+        if tf_internal.collective_group_base(strategy) is None:
+            _owned[extended] = None
+            return
+        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            count = _counts["multi_worker"]
+            _counts["multi_worker"] += 1
+            if count == 0:
+                # The first keeps TensorFlow's keys: nothing of this process
+                # can have used them for another group of these workers.
+                _owned[extended] = tf_internal.collective_group_base(strategy)
+                return
+            block = _MULTI_WORKER_FIRST_BLOCK + (count - 1) % _BLOCKS_PER_RANGE
+        else:
+            count = _counts["local"]
+            _counts["local"] += 1
+            block = _LOCAL_FIRST_BLOCK + count % _BLOCKS_PER_RANGE
+        tf_internal.rekey_collectives(strategy, block * _KEY_BLOCK)
+        _owned[extended] = block * _KEY_BLOCK + 1
+
+
+def group_base(strategy) -> int | None:
+    """The first collective group key of `strategy` (after `own`), or `None`."""
+    own(strategy)
+    return _owned[strategy.extended]
+
+
+def replica_context() -> tf.distribute.ReplicaContext:
+    """Returns the current replica context; raises RuntimeError outside one."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+        raise RuntimeError(
+            "keras_dist's collectives must run in a replica context (inside "
+            "`strategy.run`), not in cross-replica context."
+        )
+    own(ctx.strategy)
+    return ctx
+
+
+def num_replicas() -> int:
+    """Replicas in sync in the current replica context (1 without a strategy)."""
+    return tf.distribute.get_replica_context().num_replicas_in_sync
+
+
+# --- Sizes -----------------------------------------------------------------
+
+
+def num_elements(shape) -> int:
+    """Returns the number of elements of a fully defined `shape`."""
+    return math.prod(int(d) for d in tuple(shape))
+
+
+def tensor_bytes(tensor) -> int:
+    """Returns the size in bytes of `tensor` (a tensor, variable or spec)."""
+    return num_elements(tensor.shape) * tf.as_dtype(tensor.dtype).size
+
+
+def is_sparse(tensor) -> bool:
+    """Whether `tensor` is a `tf.IndexedSlices` (a sparse gradient)."""
+    return isinstance(tensor, tf.IndexedSlices)
+
+
+# --- Replica context -------------------------------------------------------
+
+
+def all_reduce(value, op="sum"):
+    """Reduces `value` (a tensor, `tf.IndexedSlices` or a list) over replicas.
+
+    One collective per dtype. A `tf.IndexedSlices` is all-gathered (its rows
+    and indices), not densified. With one replica `value` comes back as is.
+
+    Args:
+        value: A tensor, `tf.IndexedSlices`, or a (nested) list of them.
+        op: String, `"sum"` or `"mean"`. Defaults to `"sum"`.
+
+    Returns:
+        The reduced value, in the structure of `value`.
+    """
+    ctx = replica_context()
+    if ctx.num_replicas_in_sync == 1:
+        return value
+    reduce_op = {
+        "sum": tf.distribute.ReduceOp.SUM,
+        "mean": tf.distribute.ReduceOp.MEAN,
+    }[op]
+    return ctx.all_reduce(reduce_op, value)
+
+
+def all_reduce_sum(tensors, bucket_bytes=None):
+    """Sums `tensors` over replicas, one collective per bucket.
+
+    TensorFlow cannot all-reduce a list of mixed dtypes in one call, so the
+    tensors are grouped by dtype (and, with `bucket_bytes`, by size, see
+    `plan_buckets`) and the results put back in input order. Must be
+    called in replica context.
+
+    Args:
+        tensors: List of tensors (`tf.IndexedSlices` are densified).
+        bucket_bytes: Int or `None`. `None` (the default): one collective
+            per dtype. An int: buckets of about that many bytes, issued in
+            reverse order of `tensors`.
+
+    Returns:
+        List of summed tensors in the input order.
+
+    Raises:
+        RuntimeError: called in cross-replica context.
+    """
+    return _sum_by_bucket(
+        tensors,
+        lambda ctx, group: ctx.all_reduce(tf.distribute.ReduceOp.SUM, group),
+        bucket_bytes,
+    )
+
+
+def all_reduce_flat(tensors, bucket_bytes=None):
+    """Sums `tensors` over replicas, each bucket packed into one flat buffer.
+
+    Like `all_reduce_sum`, but the tensors of each bucket are concatenated
+    into one vector first, so many small tensors (PowerSGD's factors, bias
+    vectors) cost one collective launch instead of one each.
+
+    Args:
+        tensors: List of tensors with static shapes.
+        bucket_bytes: Int or `None`. As in `all_reduce_sum`.
+
+    Returns:
+        List of summed tensors in the input order.
+
+    Raises:
+        RuntimeError: called in cross-replica context.
+    """
+    return _sum_by_bucket(tensors, _sum_flat, bucket_bytes)
+
+
+def _sum_flat(ctx, group):
+    if len(group) == 1:
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, group)
+    flat = tf.concat([tf.reshape(t, [-1]) for t in group], axis=0)
+    (summed,) = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [flat])
+    sizes = [num_elements(t.shape) for t in group]
+    return [
+        tf.reshape(part, tensor.shape)
+        for tensor, part in zip(group, tf.split(summed, sizes))
+    ]
+
+
+def _sum_by_bucket(tensors, sum_group, bucket_bytes):
+    """Applies `sum_group(ctx, tensors_of_one_bucket)` per bucket, in order."""
+    ctx = replica_context()
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if ctx.num_replicas_in_sync == 1 or not tensors:
+        return tensors
+    result = [None] * len(tensors)
+    for bucket in plan_buckets(tensors, bucket_bytes):
+        summed = sum_group(ctx, [tensors[i] for i in bucket])
+        for i, value in zip(bucket, summed):
+            result[i] = value
+    return result
+
+
+def all_gather(tensor, axis=0):
+    """Concatenates every replica's `tensor` along `axis`, in replica order."""
+    ctx = replica_context()
+    if ctx.num_replicas_in_sync == 1:
+        return tensor
+    return ctx.all_gather(tensor, axis=axis)
+
+
+def all_gather_pairs(indices, values):
+    """All-gathers (indices, values) pairs in one int32 collective.
+
+    The sparsifying hooks (`TopK`, `DGC`) send, per gradient, the positions
+    and values of the entries they keep. Values are bit-cast to int32 words
+    (16-bit values padded to an even count): the gather moves bits, so
+    every dtype (bfloat16 too, which TensorFlow's gather rejects) travels in
+    one collective. Sizes may be known only when the step runs (DGC's
+    warm-up), but every replica must send the same sizes.
+
+    Args:
+        indices: List of int32 vectors.
+        values: List of floating-point vectors, one per index vector.
+
+    Returns:
+        A list of `(indices, values)`: per pair, every replica's entries
+        concatenated in replica order.
+    """
+    pieces = [*indices, *(_to_words(v) for v in values)]
+    sizes = tf.stack([tf.shape(p)[0] for p in pieces])
+    row = tf.concat(pieces, axis=0)
+    replicas = replica_context().num_replicas_in_sync
+    rows = tf.reshape(all_gather(row, axis=0), [replicas, -1])
+    columns = tf.split(rows, sizes, axis=1, num=len(pieces))
+    n = len(indices)
+    return [
+        (
+            tf.reshape(columns[i], [-1]),
+            _from_words(columns[n + i], values[i].dtype, tf.shape(values[i])[0]),
+        )
+        for i in range(n)
+    ]
+
+
+def _to_words(values):
+    """Bit-casts a float vector to int32 words (16-bit: padded to even)."""
+    size = values.dtype.size
+    if size == 4:
+        return tf.bitcast(values, tf.int32)
+    if size == 8:
+        return tf.reshape(tf.bitcast(values, tf.int32), [-1])
+    values = tf.pad(values, [[0, tf.shape(values)[0] % 2]])
+    return tf.bitcast(tf.reshape(values, [-1, 2]), tf.int32)
+
+
+def _from_words(words, dtype, count):
+    """Inverse of `_to_words` for gathered rows `[replicas, words]`."""
+    replicas = tf.shape(words)[0]
+    size = dtype.size
+    if size == 4:
+        values = tf.bitcast(words, dtype)
+    elif size == 8:
+        values = tf.bitcast(tf.reshape(words, [replicas, -1, 2]), dtype)
+    else:
+        values = tf.reshape(tf.bitcast(words, dtype), [replicas, -1])
+    return tf.reshape(values[:, :count], [-1])
+
+
+# --- Cross-replica context -------------------------------------------------
+
+
+def reduce_across(strategy, value, op="sum"):
+    """`strategy.reduce(op, value, axis=None)` with the keys owned.
+
+    Cross-replica context; on several workers a collective every worker
+    must call at the same point.
+    """
+    own(strategy)
+    reduce_op = {
+        "sum": tf.distribute.ReduceOp.SUM,
+        "mean": tf.distribute.ReduceOp.MEAN,
+    }[op]
+    return strategy.reduce(reduce_op, value, axis=None)
+
+
+def gather_across(strategy, value, axis=0):
+    """`strategy.gather(value, axis)` with the keys owned (cross-replica)."""
+    own(strategy)
+    return strategy.gather(value, axis=axis)
+
+
+# --- Buckets ---------------------------------------------------------------
+
+
+def check_bucket_bytes(bucket_bytes, argument="bucket_bytes"):
+    """Returns `bucket_bytes` (a positive int or `None`) after checking it."""
+    return check_int(
+        argument,
+        bucket_bytes,
+        minimum=1,
+        allow_none=True,
+        hint=(
+            "Pass a size in bytes (for example 4 * 2**20), or None for one "
+            "collective per dtype."
+        ),
+    )
+
+
+def plan_buckets(tensors, bucket_bytes) -> list:
+    """Groups gradients into the buckets that hooks reduce one at a time.
+
+    The backward pass computes the last layers' gradients first. Reducing
+    them in buckets, in reverse order of the model's variables, lets each
+    bucket's collective run while earlier layers' gradients are still being
+    computed. TensorFlow launches a step's collectives in program order (each
+    waits for the previous one through the launcher's ordering token), so
+    the first bucket issued must hold the first gradients computed: a
+    collective issued first for the first layer, computed last, would hold
+    back every other. This is the order PyTorch DDP starts from
+    (`bucket_cap_mb`).
+
+    Walking `tensors` from last to first, each dtype fills its own bucket
+    until it holds at least `bucket_bytes`; a tensor larger than that is a
+    bucket of its own, and a sparse `tf.IndexedSlices` is always alone (it is
+    all-gathered, not summed). Buckets come out in the order their first
+    tensor was reached, so the plan depends only on shapes and dtypes: the
+    same on every replica and worker, as the collectives require.
+
+    Args:
+        tensors: List of tensors, `tf.IndexedSlices` or `VariableSpec`s, in
+            the order of the model's variables (forward order).
+        bucket_bytes: Int or `None`. `None`: one bucket per dtype, in input
+            order (one collective per dtype after the whole backward pass).
+
+    Returns:
+        A list of buckets, each a non-empty list of positions into
+        `tensors`; every position appears once.
+    """
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
+    if bucket_bytes is None:
+        groups: dict = {}
+        for position, tensor in enumerate(tensors):
+            if is_sparse(tensor):
+                groups[("sparse", position)] = [position]
+            else:
+                groups.setdefault(tf.as_dtype(tensor.dtype), []).append(position)
+        return list(groups.values())
+    closed = []
+    open_buckets: dict = {}
+    sizes: dict = {}
+    for position in reversed(range(len(tensors))):
+        tensor = tensors[position]
+        if is_sparse(tensor):
+            closed.append([position])
+            continue
+        dtype = tf.as_dtype(tensor.dtype)
+        bucket = open_buckets.setdefault(dtype, [])
+        if not bucket:
+            # The bucket takes its place in the order now, when its first
+            # (earliest computed) gradient is reached.
+            closed.append(bucket)
+        bucket.append(position)
+        sizes[dtype] = sizes.get(dtype, 0) + _nbytes(tensor)
+        if sizes[dtype] >= bucket_bytes:
+            del open_buckets[dtype]
+            sizes[dtype] = 0
+    return closed
+
+
+def _nbytes(tensor) -> int:
+    shape = tf.TensorShape(tensor.shape)
+    # Planned with static shapes; an unknown dimension counts as one (the
+    # bucket boundary moves, the sums do not).
+    dims = [] if shape.rank is None else shape.as_list()
+    return math.prod(d or 1 for d in dims) * tf.as_dtype(tensor.dtype).size

@@ -1,0 +1,223 @@
+"""The one inventory of training state: what a step reads or writes, and how.
+
+A model's training state is spread over objects that do not know each
+other: the layers' variables, the optimizer's slots and `iterations`, the
+accumulators of gradient accumulation, the all-reduce hook's state (error
+feedback, PowerSGD's factors, DGC's velocities), gradient statistics, the
+metrics' running sums, and plain Python state of callbacks (AutoScaleBatch).
+A `StateInventory` lists all of it once, in a fixed order, with each
+variable's placement and its rule for another number of replicas. Backups
+(`keras_dist.backup`) save and restore exactly what it lists; the front end
+builds it (`DistributedModel.training_state()`).
+
+Placement: a *mirrored* variable holds one value that every replica sees
+(model weights, optimizer slots, counters; also a variable on a parameter
+server); a *per-replica* one (`synchronization=ON_READ`) holds a value per
+replica that the replica reads and writes alone.
+
+Rules for restoring per-replica state on `R'` replicas when it was saved
+on `R` (`reshard`):
+
+- `"sum"` (`VariableAggregation.SUM`): the values add up to what matters
+  (accumulated gradients and examples, error-feedback residuals, DGC's
+  momentum, metric sums): summed, then split in equal shares, so the total
+  is kept.
+- `"first"` (`ONLY_FIRST_REPLICA`): every replica keeps the same value
+  (PowerSGD's warm-start factors, step counters): replica 0's copy to all.
+- `"mean"` (`MEAN`): averaged, the mean to every replica.
+- `"exact"` (`NONE`): no rule; restorable only on the same replica count.
+
+Mirrored state is restored as it is on any replica count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+MIRRORED = "mirrored"
+PER_REPLICA = "per_replica"
+
+RULES = ("same", "sum", "first", "mean", "exact")
+"""The resharding rules; `"same"` is the rule of every mirrored entry."""
+
+_RULE_OF_AGGREGATION = {
+    tf.VariableAggregation.SUM: "sum",
+    tf.VariableAggregation.ONLY_FIRST_REPLICA: "first",
+    tf.VariableAggregation.MEAN: "mean",
+    tf.VariableAggregation.NONE: "exact",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StateEntry:
+    """One variable of the training state.
+
+    Attributes:
+        name: String. Where it comes from, `"<group>/<path>"` (for example
+            `"model/dense/kernel"`, `"hook/residual_0"`).
+        group: String. `"model"`, `"optimizer"`, `"hook"`, `"statistics"`
+            or `"metrics"`.
+        variable: The TensorFlow variable (a distributed one under a
+            strategy).
+        placement: String. `MIRRORED` or `PER_REPLICA`.
+        rule: String, one of `RULES`: how it is restored on another
+            number of replicas.
+    """
+
+    name: str
+    group: str
+    variable: object
+    placement: str
+    rule: str
+
+    @property
+    def per_replica(self) -> bool:
+        """Whether each replica holds its own value."""
+        return self.placement == PER_REPLICA
+
+    @property
+    def shape(self) -> tuple:
+        """The variable's shape (of one replica's value)."""
+        return tuple(int(d) for d in self.variable.shape)
+
+    @property
+    def dtype(self) -> tf.DType:
+        """The variable's dtype."""
+        return tf.as_dtype(self.variable.dtype)
+
+
+def placement_of(variable) -> str:
+    """`PER_REPLICA` for an `ON_READ` distributed variable, else `MIRRORED`."""
+    if (
+        isinstance(variable, tf.distribute.DistributedValues)
+        and variable.synchronization == tf.VariableSynchronization.ON_READ
+    ):
+        return PER_REPLICA
+    return MIRRORED
+
+
+def rule_of(variable) -> str:
+    """The resharding rule of `variable`, from its placement and aggregation."""
+    if placement_of(variable) == MIRRORED:
+        return "same"
+    return _RULE_OF_AGGREGATION.get(variable.aggregation, "exact")
+
+
+class StateInventory:
+    """Every piece of one model's training state, in a fixed order.
+
+    The order is the order entries were added, which for the same model,
+    optimizer and hook built the same way is the same in every process: a
+    backup checks it entry by entry. A variable added twice (an optimizer
+    and its wrapper list the same slots) is kept once, under its first
+    name.
+
+    Besides variables it holds *providers*: objects with plain Python state
+    (`backup_state() -> dict`, `restore_backup_state(dict)`), such as
+    `AutoScaleBatch`, held weakly under a name.
+    """
+
+    def __init__(self):
+        self._entries: list[StateEntry] = []
+        self._seen: set[int] = set()
+        self._providers: dict[str, weakref.ref] = {}
+
+    def add(self, group: str, variable, name: str, rule: str | None = None) -> None:
+        """Adds one TensorFlow variable under `"<group>/<name>"`.
+
+        Args:
+            group: String. The entry's group.
+            variable: The TensorFlow variable (distributed or not).
+            name: String. Its path within the group.
+            rule: String or `None`: one of `RULES`, or `None` for the rule
+                its placement and aggregation give (`rule_of`).
+
+        Raises:
+            ValueError: `rule` is not one of `RULES`, or `"same"` for a
+                per-replica variable.
+        """
+        if id(variable) in self._seen:
+            return
+        placement = placement_of(variable)
+        rule = rule_of(variable) if rule is None else rule
+        if rule not in RULES or (placement == PER_REPLICA) == (rule == "same"):
+            raise ValueError(
+                f"`rule` must be one of {list(RULES)}, and 'same' exactly for "
+                f"mirrored state. Received: rule={rule!r} for the {placement} "
+                f"variable {group}/{name}."
+            )
+        self._seen.add(id(variable))
+        self._entries.append(
+            StateEntry(f"{group}/{name}", group, variable, placement, rule)
+        )
+
+    def add_provider(self, name: str, provider) -> None:
+        """Adds an object whose `backup_state()` is saved under `name`."""
+        self._providers[name] = weakref.ref(provider)
+
+    @property
+    def entries(self) -> tuple:
+        """The `StateEntry`s, in order."""
+        return tuple(self._entries)
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def group(self, name: str) -> list:
+        """The entries of one group, in order."""
+        return [entry for entry in self._entries if entry.group == name]
+
+    @property
+    def providers(self) -> dict:
+        """Name -> provider, for the providers still alive."""
+        alive = {name: ref() for name, ref in self._providers.items()}
+        return {name: provider for name, provider in alive.items() if provider}
+
+    def provider_states(self) -> dict:
+        """Name -> `provider.backup_state()` of every provider."""
+        return {name: p.backup_state() for name, p in self.providers.items()}
+
+
+def reshard(entry: StateEntry, value: np.ndarray, replicas: int) -> np.ndarray:
+    """Maps a saved value of `entry` onto `replicas` replicas, by its rule.
+
+    Args:
+        entry: The `StateEntry` the value belongs to.
+        value: The saved value: the mirrored value, or a per-replica stack
+            `[saved_replicas, ...]`.
+        replicas: Int. The replicas to restore onto.
+
+    Returns:
+        The value to restore: the mirrored value, or a `[replicas, ...]`
+        stack.
+
+    Raises:
+        ValueError: the entry's rule is `"exact"` and the counts differ.
+    """
+    if not entry.per_replica or value.shape[0] == replicas:
+        return value
+    if entry.rule == "sum":
+        total = value.sum(axis=0)
+        share = total / replicas if np.issubdtype(total.dtype, np.inexact) else None
+        if share is None:
+            # Integer sums (counts) split into whole shares that add up.
+            base, extra = np.divmod(total, replicas)
+            return np.stack(
+                [base + (extra > i).astype(total.dtype) for i in range(replicas)]
+            )
+        return np.stack([share.astype(value.dtype)] * replicas)
+    if entry.rule == "first":
+        return np.stack([value[0]] * replicas)
+    if entry.rule == "mean":
+        return np.stack([value.mean(axis=0).astype(value.dtype)] * replicas)
+    raise ValueError(
+        f"{entry.name} was saved on {value.shape[0]} replicas and has no rule "
+        f"for {replicas}: restore it on {value.shape[0]} replicas."
+    )
