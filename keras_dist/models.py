@@ -400,6 +400,9 @@ class DistributedTrainerMixin(_compat.MultiWorkerBuildFix):
             return self.train_function
         self._check_strategy()
         self._check_stepwise()
+        # Before anything is traced: the strategy's collectives get keys no
+        # other strategy of this process uses (keras_dist.core.collectives).
+        collectives.own(self.distribute_strategy)
         if tf.distribute.has_strategy() or _compat.model_strategy(self) is not None:
             # Under a strategy, `fit` built the layers from the first batch
             # (`_maybe_symbolic_build`), and the hook and an accumulation
