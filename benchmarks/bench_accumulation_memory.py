@@ -48,29 +48,18 @@ Usage:
 
 Prints a markdown table; writes the raw numbers, the environment and the
 command to the JSON file, and a plot next to it (same name, `.png`) when
-matplotlib is importable. Linux only (reads /proc/self/status).
+matplotlib is importable (`--replot JSON` redraws it). Linux only (reads
+/proc/self/status).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
-from _common import (
-    RunClock,
-    command,
-    import_stack,
-    plot_path,
-    pyplot,
-    save_figure,
-    write_report,
-)
+import _harness as harness
 
 IMAGE_SIZE = 64
 NUM_CLASSES = 10
@@ -85,18 +74,20 @@ ALLOCATORS = {
     "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"},
 }
 MIB = 1024 * 1024
-# Run from a checkout without installing: import the keras_dist next to us.
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=(
-            "Peak RSS of training with GradientAccumulationOptimizer "
-            "(micro-batch b, k steps) vs one step of batch k*b."
-        )
+    parser = harness.parser(
+        "Peak RSS of training with GradientAccumulationOptimizer "
+        "(micro-batch b, k steps) vs one step of batch k*b.",
+        "accumulation_memory.json",
+        jobs=True,
     )
     parser.add_argument(
-        "--micro-batch", type=int, default=16, help="Micro-batch size b."
+        "--micro-batch",
+        type=harness.positive_int,
+        default=16,
+        help="Micro-batch size b.",
     )
     parser.add_argument(
         "--accumulation-steps",
@@ -106,13 +97,13 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--updates",
-        type=int,
+        type=harness.positive_int,
         default=2,
         help="Updates per run (each k*b examples), after the warm-up step.",
     )
     parser.add_argument(
         "--repeats",
-        type=int,
+        type=harness.positive_int,
         default=3,
         help="Fresh processes per configuration and allocator setting.",
     )
@@ -127,13 +118,8 @@ def parse_args(argv=None):
         ),
     )
     parser.add_argument(
-        "--out",
-        default=os.path.join("docs", "benchmarks", "accumulation_memory.json"),
-        help="JSON file for the raw results; the plot goes next to it (.png).",
-    )
-    parser.add_argument(
         "--sweep-batches",
-        type=int,
+        type=harness.positive_int,
         nargs="*",
         default=[],
         help=(
@@ -141,18 +127,12 @@ def parse_args(argv=None):
             "plot memory against batch size."
         ),
     )
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("micro_batch", "updates", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1.")
     if args.accumulation_steps < 2:
         parser.error(
             "--accumulation-steps must be >= 2 (1 is no accumulation). "
             f"Received: {args.accumulation_steps}."
         )
-    if any(batch < 1 for batch in args.sweep_batches):
-        parser.error(f"--sweep-batches must be >= 1. Received: {args.sweep_batches}.")
     return args
 
 
@@ -203,7 +183,7 @@ def layer_output_bytes_per_example(model):
 def child_main(spec):
     import resource
 
-    tf, keras, keras_dist = import_stack()
+    tf, keras, keras_dist = harness.import_stack()
     import numpy as np
 
     rss_after_import = read_status_mib("VmRSS")
@@ -253,7 +233,7 @@ def child_main(spec):
         peak_after_step.append(read_status_mib("VmHWM"))
     train_seconds = time.perf_counter() - started
 
-    return {
+    result = {
         **spec,
         "updates_applied": int(optimizer.iterations.numpy()) - updates_before,
         "traces": len(traces),
@@ -275,6 +255,8 @@ def child_main(spec):
             "numpy": np.__version__,
         },
     }
+    del result["result"]
+    harness.finish_job(spec, result)
 
 
 # --- Parent process: schedule, summarise, report -----------------------------
@@ -325,25 +307,6 @@ def variant_label(variant):
     if variant["config"] == "big batch":
         return f"one step of batch {variant['batch_size']}"
     return f"plain, batch {variant['batch_size']}"
-
-
-def run_child(spec):
-    env = dict(os.environ)
-    env.update(ALLOCATORS[spec["allocator"]])
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    completed = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if completed.returncode != 0:
-        raise RuntimeError(
-            f"Child for {spec} failed with exit code {completed.returncode}:\n"
-            f"{completed.stderr[-4000:]}"
-        )
-    return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
 def batch_curve(points):
@@ -415,20 +378,24 @@ def summarize(runs, variants, allocators):
 
 
 def markdown_table(rows, curves):
-    lines = [
-        "| allocator | configuration | runs | baseline RSS MiB | peak RSS MiB | "
-        "peak above baseline MiB | above-baseline / big batch | "
-        "peak / big batch | train s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    header = ["allocator", "configuration", "runs", "baseline RSS MiB"]
+    header += ["peak RSS MiB", "peak above baseline MiB"]
+    header += ["above-baseline / big batch", "peak / big batch", "train s"]
+    cells = [
+        [
+            row["allocator"],
+            row["label"],
+            row["runs"],
+            f"{row['baseline_rss_mib']:.0f}",
+            f"{row['peak_rss_mib']:.0f}",
+            f"{row['peak_above_baseline_mib']:.0f}",
+            f"{row['above_baseline_vs_big_batch']:.2f}",
+            f"{row['peak_vs_big_batch']:.2f}",
+            f"{row['train_seconds']:.1f}",
+        ]
+        for row in rows
     ]
-    for row in rows:
-        lines.append(
-            f"| {row['allocator']} | {row['label']} | {row['runs']} | "
-            f"{row['baseline_rss_mib']:.0f} | {row['peak_rss_mib']:.0f} | "
-            f"{row['peak_above_baseline_mib']:.0f} | "
-            f"{row['above_baseline_vs_big_batch']:.2f} | "
-            f"{row['peak_vs_big_batch']:.2f} | {row['train_seconds']:.1f} |"
-        )
+    lines = [harness.table(header, cells, align="llrrrrrrr")]
     for allocator, curve in curves.items():
         slopes = ", ".join(
             f"{m['from_batch']}->{m['to_batch']}: {m['mib_per_example']:.2f}"
@@ -441,11 +408,9 @@ def markdown_table(rows, curves):
     return "\n".join(lines)
 
 
-def plot(runs, rows, curves, variants, allocators, path):
-    plt = pyplot()
-    if plt is None:
-        return None
-
+def plot(plt, report, path):
+    runs, rows, curves = report["runs"], report["summary"], report["batch_curves"]
+    allocators = list(report["setup"]["allocators"])
     colors = {"big batch": "tab:red", "accumulation": "tab:blue"}
     colors["micro-batch"] = "tab:gray"
     panels = 1 + len(allocators) + (1 if curves else 0)
@@ -528,22 +493,17 @@ def plot(runs, rows, curves, variants, allocators, path):
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
-    big = next(v for v in variants if v["config"] == "big batch")
-    accumulation = next(v for v in variants if v["config"] == "accumulation")
+    big = next(r for r in rows if r["config"] == "big batch")
+    accumulation = next(r for r in rows if r["config"] == "accumulation")
     figure.suptitle(
         f"Peak RSS on CPU: batch {big['batch_size']} in one step vs "
         f"{accumulation['accumulation_steps']} x {accumulation['batch_size']} "
         "with GradientAccumulationOptimizer"
     )
-    return save_figure(figure, path)
+    return harness.save_figure(figure, path)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.child:
-        print(json.dumps(child_main(json.loads(args.child))))
-        return
-    clock = RunClock()
+def run(args, report):
     variants = make_variants(args)
     schedule = [
         {**variant, "allocator": allocator}
@@ -555,7 +515,12 @@ def main(argv=None):
         # Rotate the order so that no configuration always runs first.
         shift = repeat % len(schedule)
         for spec in schedule[shift:] + schedule[:shift]:
-            result = run_child({**spec, "repeat": repeat})
+            result = harness.run_processes(
+                __file__,
+                {**spec, "repeat": repeat},
+                env=ALLOCATORS[spec["allocator"]],
+                name="accumulation_memory",
+            )
             runs.append(result)
             print(
                 f"  [{repeat + 1}/{args.repeats}] {spec['allocator']:8s} "
@@ -568,9 +533,7 @@ def main(argv=None):
     rows, curves = summarize(runs, variants, args.allocators)
     print(markdown_table(rows, curves))
 
-    report = {
-        "command": command(),
-        "environment": clock.environment(runs[0]["versions"]),
+    fields = {
         "setup": {
             "micro_batch": args.micro_batch,
             "accumulation_steps": args.accumulation_steps,
@@ -596,12 +559,9 @@ def main(argv=None):
         "runs": runs,
         "summary": rows,
         "batch_curves": curves,
-        "plot": plot(
-            runs, rows, curves, variants, args.allocators, plot_path(args.out)
-        ),
     }
-    write_report(args.out, report)
+    report.write(fields, stack_versions=runs[0]["versions"])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(harness.main(parse_args, run, plot, job=child_main))

@@ -34,28 +34,17 @@ Usage:
 
 Prints a markdown table; writes the raw timings, the environment and the
 command to the JSON file, and a plot next to it (same name, `.png`) when
-matplotlib is importable. Creates logical CPU devices, so it must run in its
-own process.
+matplotlib is importable (`--replot JSON` redraws it). Creates logical CPU
+devices, so it must run in its own process.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import time
 
-from _common import (
-    RunClock,
-    command,
-    import_stack,
-    plot_path,
-    pyplot,
-    save_figure,
-    versions,
-    write_report,
-)
+import _harness as harness
 
 NUM_LOGICAL_CPUS = 2
 IMAGE_SIZE = 16
@@ -68,16 +57,16 @@ OPTIMIZERS = {"adam": "Adam", "sgd": "SGD"}
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=(
-            "Time of GradientAccumulationOptimizer micro-steps (no all-reduce) "
-            "vs update steps (all-reduce + apply) vs plain DistributedModel "
-            "steps, on MirroredStrategy over 2 logical CPUs."
-        )
+    parser = harness.parser(
+        "Time of GradientAccumulationOptimizer micro-steps (no all-reduce) "
+        "vs update steps (all-reduce + apply) vs plain DistributedModel "
+        "steps, on MirroredStrategy over 2 logical CPUs.",
+        "accumulation_steps.json",
+        rounds=(5, "Rounds."),
     )
     parser.add_argument(
         "--micro-batch",
-        type=int,
+        type=harness.positive_int,
         default=32,
         help="Per-replica batch size (global batch = 2x).",
     )
@@ -86,26 +75,17 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--updates",
-        type=int,
+        type=harness.positive_int,
         default=25,
         help="Updates per round (k calls each, and as many plain calls).",
     )
-    parser.add_argument("--rounds", type=int, default=5, help="Rounds.")
     parser.add_argument(
         "--optimizer",
         choices=sorted(OPTIMIZERS),
         default="adam",
         help="Inner optimizer of both models (sgd: near-free apply).",
     )
-    parser.add_argument(
-        "--out",
-        default=os.path.join("docs", "benchmarks", "accumulation_steps.json"),
-        help="JSON file for the raw results; the plot goes next to it (.png).",
-    )
     args = parser.parse_args(argv)
-    for name in ("micro_batch", "updates", "rounds"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1.")
     if args.accumulation_steps < 2:
         parser.error(
             "--accumulation-steps must be >= 2 (1 has no micro-steps). "
@@ -156,7 +136,7 @@ def make_optimizer(keras, name):
     return getattr(keras.optimizers, OPTIMIZERS[name])(1e-3)
 
 
-def run(tf, keras, keras_dist, args, x, y):
+def measure(tf, keras, keras_dist, args, x, y):
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     strategy = tf.distribute.MirroredStrategy(devices)
     k = args.accumulation_steps
@@ -190,9 +170,8 @@ def run(tf, keras, keras_dist, args, x, y):
             timed_call(model, iterators[name])
 
     calls = {"accumulation": [], "plain": []}
-    names = ("accumulation", "plain")
     for round_index in range(args.rounds):
-        order = names if round_index % 2 == 0 else names[::-1]
+        order = harness.alternate(("accumulation", "plain"), round_index)
         for _ in range(args.updates * k):
             for name in order:
                 seconds, updated = timed_call(models[name], iterators[name])
@@ -223,12 +202,6 @@ def run(tf, keras, keras_dist, args, x, y):
 def _median(calls, updated):
     values = [c["seconds"] for c in calls if c["updated"] == updated]
     return statistics.median(values) if values else float("nan")
-
-
-def _quartiles(values):
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    return tuple(statistics.quantiles(values, n=4, method="inclusive"))
 
 
 def summarize(result, k):
@@ -262,7 +235,7 @@ def summarize(result, k):
             "ratio_to_plain": medians[kind] / medians["plain"],
         }
         if kind in paired:
-            q1, q2, q3 = _quartiles(paired[kind])
+            q1, q2, q3 = harness.quartiles(paired[kind])
             row.update(paired_ratio_median=q2, paired_ratio_q1=q1, paired_ratio_q3=q3)
         rows.append(row)
     amortised = ((k - 1) * medians["micro"] + medians["update"]) / k
@@ -289,32 +262,31 @@ def markdown_table(summary, k, micro_batch):
         "micro": "accumulation micro-step (no all-reduce)",
         "update": "accumulation update step (all-reduce + apply)",
     }
-    lines = [
-        "| step | calls | median ms | ratio of medians to plain | "
-        "paired ratio median [IQR] |",
-        "| --- | ---: | ---: | ---: | --- |",
+    cells = [
+        [
+            labels[row["kind"]],
+            row["calls"],
+            f"{row['median_ms']:.2f}",
+            f"{row['ratio_to_plain']:.3f}",
+            harness.paired_ratio_cell(row) if "paired_ratio_median" in row else "1",
+        ]
+        for row in summary["rows"]
     ]
-    for row in summary["rows"]:
-        paired = (
-            f"{row['paired_ratio_median']:.3f} [{row['paired_ratio_q1']:.3f}, "
-            f"{row['paired_ratio_q3']:.3f}]"
-            if "paired_ratio_median" in row
-            else "1"
-        )
-        lines.append(
-            f"| {labels[row['kind']]} | {row['calls']} | {row['median_ms']:.2f} | "
-            f"{row['ratio_to_plain']:.3f} | {paired} |"
-        )
-    lines.append(
-        f"| accumulation, amortised per micro-batch ((k-1) micro + update) / k, "
-        f"k={k} | | {summary['amortised_ms_per_micro_batch']:.2f} | "
-        f"{summary['amortised_ratio_to_plain']:.3f} | |"
+    cells.append(
+        [
+            "accumulation, amortised per micro-batch ((k-1) micro + update) / k, "
+            f"k={k}",
+            "",
+            f"{summary['amortised_ms_per_micro_batch']:.2f}",
+            f"{summary['amortised_ratio_to_plain']:.3f}",
+            "",
+        ]
     )
-    lines.append(
-        f"| accumulation / plain, total time of all calls | | | "
-        f"{summary['total_time_ratio']:.3f} | |"
-    )
-    lines.append("")
+    total = f"{summary['total_time_ratio']:.3f}"
+    cells.append(["accumulation / plain, total time of all calls", "", "", total, ""])
+    header = ["step", "calls", "median ms", "ratio of medians to plain"]
+    header += ["paired ratio median [IQR]"]
+    lines = [harness.table(header, cells, align="lrrrl"), ""]
     lines.append(
         f"Per-replica batch {micro_batch}, 2 replicas. Update step - micro-step: "
         f"{summary['update_minus_micro_ms']:.2f} ms; plain step - micro-step: "
@@ -324,11 +296,10 @@ def markdown_table(summary, k, micro_batch):
     return "\n".join(lines)
 
 
-def plot(result, k, optimizer, path):
-    plt = pyplot()
-    if plt is None:
-        return None
-
+def plot(plt, report, path):
+    result, k = report["results"], report["setup"]["accumulation_steps"]
+    # "Adam(1e-3), wrapped for accumulation": the inner optimizer's class.
+    optimizer = report["setup"]["optimizer"].split("(")[0]
     accumulation = result["calls"]["accumulation"]
     plain = result["calls"]["plain"]
     data = [
@@ -383,24 +354,18 @@ def plot(result, k, optimizer, path):
         f"GradientAccumulationOptimizer({optimizer}) on MirroredStrategy, "
         f"2 logical CPUs, k={k}"
     )
-    return save_figure(figure, path)
+    return harness.save_figure(figure, path)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    tf, keras, keras_dist = import_stack(NUM_LOGICAL_CPUS)
+def run(args, report):
+    tf, keras, keras_dist = harness.import_stack(NUM_LOGICAL_CPUS)
     import numpy as np
 
     x, y = make_data(np)
-    clock = RunClock()
-    result = run(tf, keras, keras_dist, args, x, y)
+    result = measure(tf, keras, keras_dist, args, x, y)
     summary = summarize(result, args.accumulation_steps)
     print(markdown_table(summary, args.accumulation_steps, args.micro_batch))
-    report = {
-        "command": command(),
-        "environment": clock.environment(
-            versions(tf, keras, keras_dist), logical_cpu_devices=NUM_LOGICAL_CPUS
-        ),
+    fields = {
         "setup": {
             "micro_batch_per_replica": args.micro_batch,
             "global_batch_per_call": args.micro_batch * NUM_LOGICAL_CPUS,
@@ -421,15 +386,9 @@ def main(argv=None):
         },
         "results": result,
         "summary": summary,
-        "plot": plot(
-            result,
-            args.accumulation_steps,
-            OPTIMIZERS[args.optimizer],
-            plot_path(args.out),
-        ),
     }
-    write_report(args.out, report)
+    report.write(fields, logical_cpu_devices=NUM_LOGICAL_CPUS)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(harness.main(parse_args, run, plot))

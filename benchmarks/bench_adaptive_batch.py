@@ -27,28 +27,19 @@ Usage:
 
 Prints a markdown table; writes the per-epoch records, the noise-scale
 measurements, the environment and the command to the JSON file, and a plot
-next to it (same name, `.png`) when matplotlib is importable.
+next to it (same name, `.png`) when matplotlib is importable. `--summarize
+JSON` recomputes the summary, table and plot of an earlier run in place;
+`--replot JSON` redraws only the plot.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-from _common import (
-    RunClock,
-    command,
-    import_stack,
-    plot_path,
-    pyplot,
-    save_figure,
-    versions,
-    write_report,
-)
+import _harness as harness
 
 NUM_LOGICAL_CPUS = 2
 PER_REPLICA_BATCH = 8
@@ -57,15 +48,12 @@ RUNS = ("fixed-small", "fixed-large", "adaptive")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=(
-            "Optimizer updates, wall time and accuracy of fixed-small, "
-            "fixed-large and adaptive batch training on digits, 2 replicas."
-        )
-    )
-    parser.add_argument("--epochs", type=int, default=40, help="Epochs per run.")
-    parser.add_argument(
-        "--seeds", type=int, nargs="+", default=[0, 1, 2], help="Seeds to run."
+    parser = harness.parser(
+        "Optimizer updates, wall time and accuracy of fixed-small, "
+        "fixed-large and adaptive batch training on digits, 2 replicas.",
+        "adaptive_batch.json",
+        epochs=(40, "Epochs per run."),
+        seeds=([0, 1, 2], "Seeds to run."),
     )
     parser.add_argument(
         "--max-batch",
@@ -104,11 +92,6 @@ def parse_args(argv=None):
             "Do not train: recompute the summary, table and plot of a JSON file "
             "written by an earlier run (in place)."
         ),
-    )
-    parser.add_argument(
-        "--out",
-        default=os.path.join("docs", "benchmarks", "adaptive_batch.json"),
-        help="JSON file for the raw results; the plot goes next to it (.png).",
     )
     return parser.parse_args(argv)
 
@@ -282,39 +265,33 @@ def markdown_table(rows, epochs, window, tolerances):
     def fmt(value, spec):
         return "-" if value is None else format(value, spec)
 
-    header = (
-        f"| run | final batch | test acc. (mean of last {window} epochs) "
-        f"| updates ({epochs} epochs) | train s ({epochs} epochs) "
-    )
+    header = ["run", "final batch", f"test acc. (mean of last {window} epochs)"]
+    header += [f"updates ({epochs} epochs)", f"train s ({epochs} epochs)"]
     for name in tolerances:
         label = name.replace("_", " ")
-        header += (
-            f"| reached ({label}) | updates to target ({label}) "
-            f"| epochs to target ({label}) "
-        )
-    lines = [header + "|", "| --- |" + " ---: |" * (4 + 3 * len(tolerances))]
+        header += [f"reached ({label})", f"updates to target ({label})"]
+        header += [f"epochs to target ({label})"]
+    cells = []
     for row in rows:
-        line = (
-            f"| {row['run']} | {fmt(row['final_batch'], '.0f')} "
-            f"| {fmt(row['final_accuracy'], '.4f')} "
-            f"| {fmt(row['final_updates'], '.0f')} "
-            f"| {fmt(row['train_seconds'], '.1f')} "
-        )
+        line = [
+            row["run"],
+            fmt(row["final_batch"], ".0f"),
+            fmt(row["final_accuracy"], ".4f"),
+            fmt(row["final_updates"], ".0f"),
+            fmt(row["train_seconds"], ".1f"),
+        ]
         for name in tolerances:
-            line += (
-                f"| {row[f'reached_{name}']}/{row['seeds']} "
-                f"| {fmt(row[f'updates_to_{name}'], '.0f')} "
-                f"| {fmt(row[f'epochs_to_{name}'], '.0f')} "
-            )
-        lines.append(line + "|")
-    return "\n".join(lines)
+            line += [
+                f"{row[f'reached_{name}']}/{row['seeds']}",
+                fmt(row[f"updates_to_{name}"], ".0f"),
+                fmt(row[f"epochs_to_{name}"], ".0f"),
+            ]
+        cells.append(line)
+    return harness.table(header, cells)
 
 
-def plot(results, path):
-    plt = pyplot()
-    if plt is None:
-        return None
-
+def plot(plt, report, path):
+    results = report["results"]
     seed = results[0]["seed"]
     runs = {r["run"]: r for r in results if r["seed"] == seed}
     colors = {
@@ -369,7 +346,7 @@ def plot(results, path):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     fig.suptitle(f"digits, MLP, 2 replicas x 8 per replica, seed {seed}")
-    return save_figure(fig, path)
+    return harness.save_figure(fig, path)
 
 
 def target_tolerances(test_examples):
@@ -383,22 +360,20 @@ def resummarize(path):
     setup = report["setup"]
     tolerances = target_tolerances(setup["test_examples"])
     report["summary"] = summarize(report["results"], setup["window"], tolerances)
-    report["summary_command"] = " ".join(["python", *sys.argv])
+    report["summary_command"] = harness.command()
     print(
         markdown_table(report["summary"], setup["epochs"], setup["window"], tolerances)
     )
-    report["plot"] = plot(report["results"], os.path.splitext(path)[0] + ".png")
+    report["plot"] = harness.draw(plot, report, harness.plot_path(path))
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     print(f"\nRewrote {path}")
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def run(args, report):
     if args.summarize:
-        resummarize(args.summarize)
-        return
-    tf, keras, keras_dist = import_stack(NUM_LOGICAL_CPUS)
+        return resummarize(args.summarize)
+    tf, keras, keras_dist = harness.import_stack(NUM_LOGICAL_CPUS)
     import numpy as np
 
     data = load_digits(np)
@@ -406,14 +381,13 @@ def main(argv=None):
         [f"/cpu:{i}" for i in range(NUM_LOGICAL_CPUS)],
         cross_device_ops=tf.distribute.ReductionToOneDevice(),
     )
-    clock = RunClock()
     results = []
     for seed in args.seeds:
-        for run in RUNS:
-            result = train(keras, keras_dist, strategy, data, run, seed, args)
+        for name in RUNS:
+            result = train(keras, keras_dist, strategy, data, name, seed, args)
             last = result["epochs"][-1]
             print(
-                f"seed {seed} {run}: accuracy {last['test_accuracy']:.4f}, "
+                f"seed {seed} {name}: accuracy {last['test_accuracy']:.4f}, "
                 f"{last['updates']} updates, batch {last['batch_size']}, "
                 f"{last['train_seconds']:.1f} s",
                 file=sys.stderr,
@@ -423,11 +397,7 @@ def main(argv=None):
     rows = summarize(results, args.window, tolerances)
     print(markdown_table(rows, args.epochs, args.window, tolerances))
 
-    report = {
-        "command": command(),
-        "environment": clock.environment(
-            versions(tf, keras, keras_dist), logical_cpu_devices=NUM_LOGICAL_CPUS
-        ),
+    fields = {
         "setup": {
             "data": "sklearn load_digits, x / 16, 80/20 stratified split (seed 0)",
             "model": "Dense(128, relu)-Dense(64, relu)-Dense(10)",
@@ -448,10 +418,9 @@ def main(argv=None):
         },
         "results": results,
         "summary": rows,
-        "plot": plot(results, plot_path(args.out)),
     }
-    write_report(args.out, report)
+    report.write(fields, logical_cpu_devices=NUM_LOGICAL_CPUS)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(harness.main(parse_args, run, plot))

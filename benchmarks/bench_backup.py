@@ -34,7 +34,7 @@ Usage:
 
 Prints a markdown table; writes the raw timings, the environment and the
 command to the JSON file, and a plot next to it (same name, `.png`) when
-matplotlib is importable.
+matplotlib is importable (`--replot JSON` redraws it).
 """
 
 from __future__ import annotations
@@ -46,16 +46,7 @@ import sys
 import tempfile
 import time
 
-from _common import (
-    RunClock,
-    command,
-    import_stack,
-    plot_path,
-    pyplot,
-    save_figure,
-    versions,
-    write_report,
-)
+import _harness as harness
 
 NUM_LOGICAL_CPUS = 2
 BATCH_SIZE = 64
@@ -70,22 +61,18 @@ def save_freq_arg(text):
     if text == "epoch":
         return text
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
+        return harness.positive_int(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"a save frequency is 'epoch' or an int >= 1. Received: {text!r}."
-        )
-    return value
+        ) from None
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=(
-            "Time per save and step-time share of keras_dist's BackupAndRestore "
-            "for several save_freq values, on 2 logical CPU replicas."
-        )
+    parser = harness.parser(
+        "Time per save and step-time share of keras_dist's BackupAndRestore "
+        "for several save_freq values, on 2 logical CPU replicas.",
+        "backup.json",
     )
     parser.add_argument(
         "--models", nargs="+", choices=MODELS, default=list(MODELS), help="Models."
@@ -97,48 +84,34 @@ def parse_args(argv=None):
         default=[1, 10, 100, "epoch"],
         help="save_freq values to measure (ints and/or 'epoch').",
     )
+    count = harness.positive_int
     parser.add_argument(
         "--digits-epochs",
-        type=int,
+        type=count,
         default=8,
         help="Epochs per digits run (28 batches of 64 each).",
     )
     parser.add_argument(
         "--mlp-batches-per-epoch",
-        type=int,
+        type=count,
         default=6,
         help="Batches of 64 generated examples per epoch of the 25M MLP.",
     )
     parser.add_argument(
-        "--mlp-epochs", type=int, default=2, help="Epochs per 25M-MLP run."
+        "--mlp-epochs", type=count, default=2, help="Epochs per 25M-MLP run."
     )
     parser.add_argument(
-        "--digits-rounds", type=int, default=4, help="Rounds of digits runs."
+        "--digits-rounds", type=count, default=4, help="Rounds of digits runs."
     )
     parser.add_argument(
-        "--mlp-rounds", type=int, default=3, help="Rounds of 25M-MLP runs."
+        "--mlp-rounds", type=count, default=3, help="Rounds of 25M-MLP runs."
     )
     parser.add_argument(
         "--tmp-dir",
         default=None,
         help="Where the temporary backup folders go (default: the system's).",
     )
-    parser.add_argument(
-        "--out",
-        default=os.path.join("docs", "benchmarks", "backup.json"),
-        help="JSON file for the raw results; the plot goes next to it (.png).",
-    )
-    args = parser.parse_args(argv)
-    for name in (
-        "digits_epochs",
-        "mlp_batches_per_epoch",
-        "mlp_epochs",
-        "digits_rounds",
-        "mlp_rounds",
-    ):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1.")
-    return args
+    return parser.parse_args(argv)
 
 
 def label(save_freq):
@@ -305,8 +278,7 @@ def run_model(tf, keras, keras_dist, np, name, args, strategy, timer):
     configurations = [None, *args.save_freqs]
     runs = []
     for round_index in range(rounds):
-        order = configurations if round_index % 2 == 0 else configurations[::-1]
-        for save_freq in order:
+        for save_freq in harness.alternate(configurations, round_index):
             with tempfile.TemporaryDirectory(dir=args.tmp_dir) as folder:
                 seconds, callbacks = fit(save_freq, os.path.join(folder, "backup"))
             saves, cleanup = timer.take()
@@ -396,30 +368,29 @@ def markdown_table(rows):
     def number(value, digits=1):
         return "" if value is None else f"{value:,.{digits}f}"
 
-    lines = [
-        "| model | configuration | batches per run | saves per run | ms/batch "
-        "(median) | ratio to none | paired ratio | gather ms | write ms | "
-        "whole save ms | backup MB | share of fit time in saves |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: |",
+    header = ["model", "configuration", "batches per run", "saves per run"]
+    header += ["ms/batch (median)", "ratio to none", "paired ratio", "gather ms"]
+    header += ["write ms", "whole save ms", "backup MB", "share of fit time in saves"]
+    cells = [
+        [
+            row["model"],
+            row["configuration"],
+            row["batches_per_run"],
+            ", ".join(map(str, row["saves_per_run"])),
+            number(row["step_ms"]),
+            f"{row['ratio']:.2f}",
+            f"{row['paired_ratio']:.2f}",
+            *(number(row[key]) for key in ("gather_ms", "write_ms", "save_ms")),
+            number(row["backup_mb"]),
+            f"{row['share_in_saves']:.1%}",
+        ]
+        for row in rows
     ]
-    for row in rows:
-        lines.append(
-            f"| {row['model']} | {row['configuration']} | {row['batches_per_run']} | "
-            f"{', '.join(map(str, row['saves_per_run']))} | "
-            f"{number(row['step_ms'])} | {row['ratio']:.2f} | "
-            f"{row['paired_ratio']:.2f} | "
-            f"{number(row['gather_ms'])} | {number(row['write_ms'])} | "
-            f"{number(row['save_ms'])} | {number(row['backup_mb'])} | "
-            f"{row['share_in_saves']:.1%} |"
-        )
-    return "\n".join(lines)
+    return harness.table(header, cells, align="ll" + "r" * 10)
 
 
-def plot(rows, path):
-    plt = pyplot()
-    if plt is None:
-        return None
+def plot(plt, report, path):
+    rows = report["summary"]
     models = list(dict.fromkeys(row["model"] for row in rows))
     figure, axes = plt.subplots(
         1, len(models), figsize=(5.2 * len(models), 4.2), squeeze=False
@@ -467,18 +438,14 @@ def plot(rows, path):
         "(2 logical CPU replicas)",
         fontsize=10,
     )
-    return save_figure(figure, path)
+    return harness.save_figure(figure, path)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    tf, keras, keras_dist = import_stack(NUM_LOGICAL_CPUS)
+def run(args, report):
+    tf, keras, keras_dist = harness.import_stack(NUM_LOGICAL_CPUS)
     import numpy as np
 
-    from keras_dist import _backup
-
-    clock = RunClock()
-    timer = SaveTimer(_backup)
+    timer = SaveTimer(harness.private_backup_module())
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     strategy = tf.distribute.MirroredStrategy(devices)
     results = {}
@@ -488,13 +455,7 @@ def main(argv=None):
         )
     rows = summarize(results)
     print(markdown_table(rows))
-    report = {
-        "command": command(),
-        "environment": clock.environment(
-            versions(tf, keras, keras_dist),
-            logical_cpu_devices=NUM_LOGICAL_CPUS,
-            nice=os.nice(0),
-        ),
+    fields = {
         "setup": {
             "strategy": f"MirroredStrategy over {NUM_LOGICAL_CPUS} logical CPUs",
             "global_batch_size": BATCH_SIZE,
@@ -511,10 +472,9 @@ def main(argv=None):
         },
         "results": results,
         "summary": rows,
-        "plot": plot(rows, plot_path(args.out)),
     }
-    write_report(args.out, report)
+    report.write(fields, logical_cpu_devices=NUM_LOGICAL_CPUS, nice=os.nice(0))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(harness.main(parse_args, run, plot))

@@ -31,26 +31,17 @@ Usage:
 
 Prints markdown tables; writes the per-epoch records, the environment and the
 command to the JSON file, and a plot next to it (same name, `.png`) when
-matplotlib is importable.
+matplotlib is importable (`--replot JSON` redraws it).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
+import sys
 import time
 
-from _common import (
-    RunClock,
-    command,
-    import_stack,
-    plot_path,
-    pyplot,
-    save_figure,
-    versions,
-    write_report,
-)
+import _harness as harness
 
 NUM_LOGICAL_CPUS = 2
 GLOBAL_BATCH = 32
@@ -70,18 +61,15 @@ STEPS_PER_EXECUTION = 15
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=(
-            "Test accuracy on digits, 2 replicas, momentum SGD: uncompressed vs "
-            "TopK(0.001) vs DGC(0.01) vs DGC(0.001)."
-        )
+    parser = harness.parser(
+        "Test accuracy on digits, 2 replicas, momentum SGD: uncompressed vs "
+        "TopK(0.001) vs DGC(0.01) vs DGC(0.001).",
+        "dgc.json",
+        epochs=(10, "Epochs per run."),
+        seeds=([0, 1, 2], "Seeds to run."),
     )
-    parser.add_argument("--epochs", type=int, default=10, help="Epochs per run.")
     parser.add_argument(
         "--runs", nargs="+", default=list(RUNS), choices=RUNS, help="Runs to make."
-    )
-    parser.add_argument(
-        "--seeds", type=int, nargs="+", default=[0, 1, 2], help="Seeds to run."
     )
     parser.add_argument(
         "--warmup-epochs",
@@ -94,11 +82,6 @@ def parse_args(argv=None):
         type=int,
         default=1,
         help="Epochs of the CIFAR-shaped ResNet smoke (0 skips it).",
-    )
-    parser.add_argument(
-        "--out",
-        default="docs/benchmarks/dgc.json",
-        help="JSON file for the raw results; the plot goes next to it (.png).",
     )
     return parser.parse_args(argv)
 
@@ -257,44 +240,39 @@ def summarize(results, epochs):
 
 def markdown_table(rows, epochs):
     reported = [e for e in REPORTED_EPOCHS if e <= epochs]
-    header = (
-        "| run | "
-        + " | ".join(f"test acc. epoch {e} (mean; per seed)" for e in reported)
-        + " | ratio after warm-up | ratio over the run |"
-    )
-    lines = [header, "| --- |" + " --- |" * len(reported) + " ---: | ---: |"]
+    header = ["run"]
+    header += [f"test acc. epoch {e} (mean; per seed)" for e in reported]
+    header += ["ratio after warm-up", "ratio over the run"]
+    cells = []
     for row in rows:
-        cells = []
+        line = [row["label"]]
         for epoch in reported:
             seeds = ", ".join(f"{v:.3f}" for v in row[f"epoch_{epoch}_seeds"])
-            cells.append(f"**{row[f'epoch_{epoch}']:.3f}** ({seeds})")
-        lines.append(
-            f"| {row['label']} | "
-            + " | ".join(cells)
-            + f" | {row['ratio_after_warmup']:.0f}x | {row['ratio_over_run']:.1f}x |"
-        )
-    return "\n".join(lines)
+            line.append(f"**{row[f'epoch_{epoch}']:.3f}** ({seeds})")
+        line += [f"{row['ratio_after_warmup']:.0f}x", f"{row['ratio_over_run']:.1f}x"]
+        cells.append(line)
+    return harness.table(header, cells, align="l" * (1 + len(reported)) + "rr")
 
 
 def resnet_table(results):
-    lines = [
-        "| run | epochs | test acc. | ratio after warm-up | ratio over the run "
-        "| s/epoch |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    header = ["run", "epochs", "test acc.", "ratio after warm-up"]
+    header += ["ratio over the run", "s/epoch"]
+    cells = [
+        [
+            LABELS[r["run"]],
+            len(r["test_accuracy"]),
+            f"{r['test_accuracy'][-1]:.3f}",
+            f"{r['ratio_after_warmup']:.0f}x",
+            f"{r['ratio_over_run']:.1f}x",
+            f"{statistics.mean(r['epoch_seconds']):.1f}",
+        ]
+        for r in results
     ]
-    for r in results:
-        lines.append(
-            f"| {LABELS[r['run']]} | {len(r['test_accuracy'])} | "
-            f"{r['test_accuracy'][-1]:.3f} | {r['ratio_after_warmup']:.0f}x | "
-            f"{r['ratio_over_run']:.1f}x | {statistics.mean(r['epoch_seconds']):.1f} |"
-        )
-    return "\n".join(lines)
+    return harness.table(header, cells)
 
 
-def plot(results, path):
-    plt = pyplot()
-    if plt is None:
-        return None
+def plot(plt, report, path):
+    results = report["results"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = {
         "none": "black",
@@ -320,24 +298,21 @@ def plot(results, path):
         "Digits CNN, 2 replicas, batch 32, lr 0.02 (mean of seeds; thin: each)"
     )
     ax.legend(loc="lower right")
-    return save_figure(fig, path)
+    return harness.save_figure(fig, path)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    clock = RunClock()
-    stack = import_stack(logical_cpus=NUM_LOGICAL_CPUS)
-    tf, keras, keras_dist = stack
+def run(args, report):
+    stack = harness.import_stack(logical_cpus=NUM_LOGICAL_CPUS)
     data = digits()
     results = []
     for seed in args.seeds:
-        for run in args.runs:
+        for name in args.runs:
             result = train(
-                stack, run, seed, data, args.epochs, args.warmup_epochs, digits_cnn
+                stack, name, seed, data, args.epochs, args.warmup_epochs, digits_cnn
             )
             results.append(result)
             print(
-                f"seed {seed} {run:10s} "
+                f"seed {seed} {name:10s} "
                 + " ".join(f"{a:.3f}" for a in result["test_accuracy"])
                 + f"  ratio {result['ratio_after_warmup']:.0f}x"
                 f" ({result['ratio_over_run']:.1f}x over the run)",
@@ -351,10 +326,10 @@ def main(argv=None):
     if args.resnet_epochs:
         (x_train, y_train), (x_test, y_test) = data
         big = ((upsampled(x_train), y_train), (upsampled(x_test), y_test))
-        for run in ("none", "dgc-0.001"):
+        for name in ("none", "dgc-0.001"):
             result = train(
                 stack,
-                run,
+                name,
                 args.seeds[0],
                 big,
                 args.resnet_epochs,
@@ -365,11 +340,7 @@ def main(argv=None):
         print()
         print(resnet_table(resnet))
 
-    report = {
-        "command": command(),
-        "environment": clock.environment(
-            versions(tf, keras, keras_dist), logical_cpu_devices=NUM_LOGICAL_CPUS
-        ),
+    fields = {
         "setup": {
             "global_batch": GLOBAL_BATCH,
             "learning_rate": LEARNING_RATE,
@@ -381,10 +352,9 @@ def main(argv=None):
         "summary": rows,
         "results": results,
         "resnet_smoke": resnet,
-        "plot": plot(results, plot_path(args.out)),
     }
-    write_report(args.out, report)
+    report.write(fields, logical_cpu_devices=NUM_LOGICAL_CPUS)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(harness.main(parse_args, run, plot))

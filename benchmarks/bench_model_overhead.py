@@ -21,10 +21,11 @@ Usage:
         [--out docs/benchmarks/model_overhead.json]
 
 With `--workers N` the same CNN trains under `MultiWorkerMirroredStrategy`
-in N worker processes started by `keras-dist launch`. Stock `keras.Model.fit`
-fails there (see docs/why.md), so the reference is stock Keras's own
-`train_step` run by a minimal train function (`strategy.run`, logs left on
-each worker: no log collective at all), against
+in N worker processes on 127.0.0.1 (the benchmark harness starts them with
+the `TF_CONFIG` of a local cluster, as `keras-dist launch` would). Stock
+`keras.Model.fit` fails there (see docs/why.md), so the reference is stock
+Keras's own `train_step` run by a minimal train function (`strategy.run`,
+logs left on each worker: no log collective at all), against
 `DistributedModel.train_function`, both at each `--steps-per-execution`,
 interleaved call by call; a sample is one call divided by its steps. With
 `--baseline PATH` (another checkout of keras_dist, e.g. a `git worktree` of
@@ -38,31 +39,18 @@ baseline again, then this checkout, ...), for a before/after comparison:
 
 Prints a markdown table; writes the raw timings, the environment and the
 command to the JSON file, and a plot next to it (same name, `.png`) when
-matplotlib is importable (with `--workers`, only where `--plot` says).
+matplotlib is importable (with `--workers`, only where `--plot` says);
+`--replot JSON` redraws it.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
-from _common import (
-    REPO_ROOT,
-    RunClock,
-    command,
-    import_stack,
-    plot_path,
-    pyplot,
-    save_figure,
-    versions,
-    write_report,
-)
+import _harness as harness
 
 NUM_LOGICAL_CPUS = 2
 IMAGE_SIZE = 8
@@ -78,25 +66,20 @@ WARMUP_STEPS = 5
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=(
-            "Median training-step time of keras_dist.DistributedModel vs "
-            "keras.Model under the default strategy and MirroredStrategy."
-        )
+    parser = harness.parser(
+        "Median training-step time of keras_dist.DistributedModel vs "
+        "keras.Model under the default strategy and MirroredStrategy.",
+        None,
+        out_help=(
+            "JSON file for the raw results; the plot goes next to it (.png). "
+            "Defaults to docs/benchmarks/model_overhead.json, or "
+            "model_overhead_workers.json with --workers."
+        ),
+        jobs=True,
+        steps=(60, "Training steps per fit call and per round of single steps."),
+        rounds=(7, "Rounds; each times one fit call and N single steps per model."),
+        batch_size=(64, "Global batch size."),
     )
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=60,
-        help="Training steps per fit call and per round of single steps.",
-    )
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=7,
-        help="Rounds; each times one fit call and N single steps per model.",
-    )
-    parser.add_argument("--batch-size", type=int, default=64, help="Global batch size.")
     parser.add_argument(
         "--strategies",
         nargs="+",
@@ -105,26 +88,17 @@ def parse_args(argv=None):
         help="Strategies to measure.",
     )
     parser.add_argument(
-        "--out",
-        default=None,
-        help=(
-            "JSON file for the raw results; the plot goes next to it (.png). "
-            "Defaults to docs/benchmarks/model_overhead.json, or "
-            "model_overhead_workers.json with --workers."
-        ),
-    )
-    parser.add_argument(
         "--workers",
         type=int,
         default=0,
         help=(
             "Run under MultiWorkerMirroredStrategy in this many worker "
-            "processes (keras-dist launch); 0 for the in-process strategies."
+            "processes; 0 for the in-process strategies."
         ),
     )
     parser.add_argument(
         "--steps-per-execution",
-        type=int,
+        type=harness.positive_int,
         nargs="+",
         default=[1, 4],
         help="With --workers: the steps_per_execution values to time.",
@@ -139,7 +113,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--launches",
-        type=int,
+        type=harness.positive_int,
         default=1,
         help="With --workers: launches per keras_dist version.",
     )
@@ -152,18 +126,12 @@ def parse_args(argv=None):
             "in its index)."
         ),
     )
-    # Set by the launching process in each worker.
-    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--keras-dist-root", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.out is None:
         name = "model_overhead_workers.json" if args.workers else "model_overhead.json"
-        args.out = os.path.join("docs", "benchmarks", name)
-    for name in ("steps", "rounds", "batch_size", "launches"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1.")
-    if args.workers < 0 or min(args.steps_per_execution) < 1:
-        parser.error("--workers must be >= 0 and --steps-per-execution >= 1.")
+        args.out = os.path.join(harness.RESULTS, name)
+    if args.workers < 0:
+        parser.error(f"--workers must be >= 0. Received: {args.workers}.")
     if args.baseline is not None and not os.path.isdir(
         os.path.join(args.baseline, "keras_dist")
     ):
@@ -266,7 +234,7 @@ def run_strategy(tf, keras, keras_dist, strategy_name, args, x, y):
 
     timings = {"fit": {n: [] for n in models}, "step": {n: [] for n in models}}
     for round_index in range(args.rounds):
-        order = MODEL_NAMES if round_index % 2 == 0 else MODEL_NAMES[::-1]
+        order = harness.alternate(MODEL_NAMES, round_index)
         for name in order:
             timings["fit"][name].append(time_fit(models[name], dataset, args.steps))
         for _ in range(args.steps):
@@ -299,10 +267,7 @@ def summarize(results):
                 # load): one per round for `fit`, one per interleaved call
                 # for `step`.
                 paired = [d / k for k, d in zip(timings["keras.Model"], timings[name])]
-                if len(paired) > 1:
-                    q1, q2, q3 = statistics.quantiles(paired, n=4, method="inclusive")
-                else:
-                    q1 = q2 = q3 = paired[0]
+                q1, q2, q3 = harness.quartiles(paired)
                 rows.append(
                     {
                         "strategy": strategy_name,
@@ -322,28 +287,25 @@ def summarize(results):
 
 
 def markdown_table(rows):
-    lines = [
-        "| strategy | replicas | timing | model | samples | keras.Model ms/step | "
-        "model ms/step | ratio of medians | paired ratio median [IQR] |",
-        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |",
-    ]
+    header = ["strategy", "replicas", "timing", "model", "samples"]
+    header += ["keras.Model ms/step", "model ms/step", "ratio of medians"]
+    header += ["paired ratio median [IQR]"]
+    cells = []
     for row in rows:
         flag = "" if row["ratio_of_medians"] <= TARGET_RATIO else " (> 1.03)"
-        lines.append(
-            f"| {row['strategy']} | {row['replicas']} | {row['mode']} | "
-            f"{row['model']} | {row['samples']} | {row['keras_ms']:.2f} | "
-            f"{row['distributed_ms']:.2f} | {row['ratio_of_medians']:.3f}{flag} | "
-            f"{row['paired_ratio_median']:.3f} "
-            f"[{row['paired_ratio_q1']:.3f}, {row['paired_ratio_q3']:.3f}] |"
+        cells.append(
+            [row[key] for key in ("strategy", "replicas", "mode", "model", "samples")]
+            + [f"{row['keras_ms']:.2f}", f"{row['distributed_ms']:.2f}"]
+            + [f"{row['ratio_of_medians']:.3f}{flag}", harness.paired_ratio_cell(row)]
         )
-    return "\n".join(lines)
+    return harness.table(header, cells, align="lrllrrrrl")
 
 
-def plot(results, path):
-    plt = pyplot()
-    if plt is None:
-        return None
-
+def plot(plt, report, path):
+    """The box plots of a run; with `--workers`, those of `plot_multi_worker`."""
+    results = report["results"]
+    if "launches" in report["setup"]:
+        return plot_multi_worker(plt, results, path)
     panels = [
         (strategy_name, mode, timings)
         for strategy_name, result in results.items()
@@ -383,7 +345,7 @@ def plot(results, path):
     axis.set_title("paired ratio DistributedModel / keras.Model", fontsize=9)
     axis.grid(axis="y", alpha=0.3)
     figure.suptitle("Training step time, same CNN, same strategy (lower is better)")
-    return save_figure(figure, path)
+    return harness.save_figure(figure, path)
 
 
 # --- Multi-worker mode -------------------------------------------------------
@@ -415,31 +377,23 @@ def time_call(function, iterator, steps_per_execution):
     return (time.perf_counter() - start) / steps_per_execution
 
 
-def run_worker(args):
+def run_worker(job):
     """One worker's share of a `--workers` launch; worker 0 writes the timings."""
-    if args.keras_dist_root:
+    if job["keras_dist_root"]:
         # The baseline's keras_dist, imported before `import_stack` adds
         # this checkout's.
-        sys.path.insert(0, args.keras_dist_root)
+        sys.path.insert(0, job["keras_dist_root"])
         import keras_dist
-    tf, keras, keras_dist = import_stack()
+    tf, keras, keras_dist = harness.import_stack()
     import numpy as np
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     x, y = make_data(np)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA
-    )
-    dataset = (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .batch(args.batch_size, drop_remainder=True)
-        .repeat()
-        .with_options(options)
-        .prefetch(tf.data.AUTOTUNE)
+    dataset = harness.sharded_dataset(tf, x, y, job["batch_size"]).prefetch(
+        tf.data.AUTOTUNE
     )
     functions = {}
-    for steps in args.steps_per_execution:
+    for steps in job["steps_per_execution"]:
         with strategy.scope():
             reference = build_model(keras, keras.Model)
             distributed = build_model(
@@ -468,76 +422,45 @@ def run_worker(args):
                 time_call(function, iterators[(steps, name)], steps)
 
     timings = {str(steps): {REFERENCE: [], DISTRIBUTED: []} for steps in functions}
-    for round_index in range(args.rounds):
-        order = (REFERENCE, DISTRIBUTED)
-        if round_index % 2:
-            order = order[::-1]
+    for round_index in range(job["rounds"]):
+        order = harness.alternate((REFERENCE, DISTRIBUTED), round_index)
         for steps, pair in functions.items():
-            calls = max(1, args.steps // steps)
+            calls = max(1, job["steps"] // steps)
             for _ in range(calls):
                 for name in order:
                     timings[str(steps)][name].append(
                         time_call(pair[name], iterators[(steps, name)], steps)
                     )
-    resolver = strategy.cluster_resolver
-    if resolver.task_id == 0 and args.worker_out:
-        with open(args.worker_out, "w") as handle:
-            json.dump(
-                {"keras_dist_file": keras_dist.__file__, "seconds_per_step": timings},
-                handle,
-            )
-
-
-def launch_workers(args, root):
-    """Runs this script in `args.workers` processes; returns worker 0's timings."""
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "timings.json")
-        worker_args = [
-            os.path.abspath(__file__),
-            "--steps",
-            str(args.steps),
-            "--rounds",
-            str(args.rounds),
-            "--batch-size",
-            str(args.batch_size),
-            "--steps-per-execution",
-            *map(str, args.steps_per_execution),
-            "--worker-out",
-            out,
-        ]
-        if root is not None:
-            worker_args += ["--keras-dist-root", os.path.abspath(root)]
-        env = dict(os.environ, PYTHONPATH=REPO_ROOT)
-        subprocess.run(
-            [
-                *(sys.executable, "-m", "keras_dist", "launch"),
-                *("--workers", str(args.workers), "--", sys.executable),
-                *worker_args,
-            ],
-            check=True,
-            env=env,
-            stdout=sys.stderr,
-        )
-        with open(out) as handle:
-            return json.load(handle)
+    result = {"keras_dist_file": keras_dist.__file__, "seconds_per_step": timings}
+    harness.finish_job(job, result)
 
 
 def run_multi_worker(args):
     versions_to_run = {"this checkout": None}
     if args.baseline is not None:
         versions_to_run["baseline"] = args.baseline
-    names = list(versions_to_run)
-    launches = {name: [] for name in names}
+    launches = {name: [] for name in versions_to_run}
     for launch_index in range(args.launches):
-        order = names if launch_index % 2 == 0 else names[::-1]
-        for name in order:
+        for name in harness.alternate(versions_to_run, launch_index):
             print(
                 f"  launch {launch_index + 1}/{args.launches}: {name}", file=sys.stderr
             )
-            launches[name].append(launch_workers(args, versions_to_run[name]))
+            root = versions_to_run[name]
+            job = {
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "batch_size": args.batch_size,
+                "steps_per_execution": args.steps_per_execution,
+                "keras_dist_root": root and os.path.abspath(root),
+            }
+            launches[name].append(
+                harness.run_processes(
+                    __file__, job, workers=args.workers, name="model_overhead"
+                )
+            )
     return {
         name: {
-            "keras_dist_root": versions_to_run[name] or REPO_ROOT,
+            "keras_dist_root": versions_to_run[name] or harness.REPO_ROOT,
             "keras_dist_file": runs[0]["keras_dist_file"],
             "launches": [run["seconds_per_step"] for run in runs],
         }
@@ -554,7 +477,7 @@ def summarize_multi_worker(results):
                 t for run in result["launches"] for t in run[steps][DISTRIBUTED]
             ]
             paired = [d / k for k, d in zip(reference, distributed)]
-            q1, q2, q3 = statistics.quantiles(paired, n=4, method="inclusive")
+            q1, q2, q3 = harness.quartiles(paired)
             rows.append(
                 {
                     "version": version,
@@ -573,25 +496,28 @@ def summarize_multi_worker(results):
 
 
 def markdown_table_multi_worker(rows):
-    lines = [
-        f"| keras_dist | steps_per_execution | samples | {REFERENCE} ms/step | "
-        f"{DISTRIBUTED} ms/step | ratio of medians | paired ratio median [IQR] |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['version']} | {row['steps_per_execution']} | {row['samples']} | "
-            f"{row['keras_ms']:.2f} | {row['distributed_ms']:.2f} | "
-            f"{row['ratio_of_medians']:.3f} | {row['paired_ratio_median']:.3f} "
-            f"[{row['paired_ratio_q1']:.3f}, {row['paired_ratio_q3']:.3f}] |"
-        )
-    return "\n".join(lines)
+    header = ["keras_dist", "steps_per_execution", "samples"]
+    header += [f"{REFERENCE} ms/step", f"{DISTRIBUTED} ms/step", "ratio of medians"]
+    header += ["paired ratio median [IQR]"]
+    return harness.table(
+        header,
+        (
+            [
+                row["version"],
+                row["steps_per_execution"],
+                row["samples"],
+                f"{row['keras_ms']:.2f}",
+                f"{row['distributed_ms']:.2f}",
+                f"{row['ratio_of_medians']:.3f}",
+                harness.paired_ratio_cell(row),
+            ]
+            for row in rows
+        ),
+        align="lrrrrrl",
+    )
 
 
-def plot_multi_worker(results, path):
-    plt = pyplot()
-    if plt is None:
-        return None
+def plot_multi_worker(plt, results, path):
     labels, ratios = [], []
     for version, result in results.items():
         for steps in result["launches"][0]:
@@ -609,25 +535,14 @@ def plot_multi_worker(results, path):
     axis.set_ylabel(f"{DISTRIBUTED} / {REFERENCE}, per call")
     axis.grid(axis="y", alpha=0.3)
     axis.set_title("Step time under MultiWorkerMirroredStrategy (lower is better)")
-    return save_figure(figure, path)
+    return harness.save_figure(figure, path)
 
 
-def main_multi_worker(args):
-    clock = RunClock()
-    import keras
-    import tensorflow as tf
-
-    sys.path.insert(0, REPO_ROOT)
-    import keras_dist
-
+def run_workers(args, report):
     results = run_multi_worker(args)
     rows = summarize_multi_worker(results)
     print(markdown_table_multi_worker(rows))
-    report = {
-        "command": command(),
-        "environment": clock.environment(
-            versions(tf, keras, keras_dist), workers=args.workers
-        ),
+    fields = {
         "setup": {
             "steps": args.steps,
             "rounds": args.rounds,
@@ -645,24 +560,19 @@ def main_multi_worker(args):
         },
         "results": results,
         "summary": rows,
-        "plot": None if args.plot is None else plot_multi_worker(results, args.plot),
     }
-    write_report(args.out, report)
+    # Only where --plot says: every plot in docs/benchmarks is in its index.
+    report.plot, report.png = (plot if args.plot else None), args.plot
+    report.write(fields, workers=args.workers)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.worker_out is not None:
-        run_worker(args)
-        return
+def run(args, report):
     if args.workers:
-        main_multi_worker(args)
-        return
-    tf, keras, keras_dist = import_stack(NUM_LOGICAL_CPUS)
+        return run_workers(args, report)
+    tf, keras, keras_dist = harness.import_stack(NUM_LOGICAL_CPUS)
     import numpy as np
 
     x, y = make_data(np)
-    clock = RunClock()
     results = {}
     for strategy_name in args.strategies:
         results[strategy_name] = run_strategy(
@@ -670,11 +580,7 @@ def main(argv=None):
         )
     rows = summarize(results)
     print(markdown_table(rows))
-    report = {
-        "command": command(),
-        "environment": clock.environment(
-            versions(tf, keras, keras_dist), logical_cpu_devices=NUM_LOGICAL_CPUS
-        ),
+    fields = {
         "setup": {
             "steps": args.steps,
             "rounds": args.rounds,
@@ -686,10 +592,9 @@ def main(argv=None):
         },
         "results": results,
         "summary": rows,
-        "plot": plot(results, plot_path(args.out)),
     }
-    write_report(args.out, report)
+    report.write(fields, logical_cpu_devices=NUM_LOGICAL_CPUS)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(harness.main(parse_args, run, plot, job=run_worker))

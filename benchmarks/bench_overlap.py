@@ -40,28 +40,15 @@ command to the JSON file, and plots next to it (`.png`, `_trace.png`).
 
 from __future__ import annotations
 
-import argparse
 import glob
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from _common import (
-    REPO_ROOT,
-    RunClock,
-    command,
-    plot_path,
-    pyplot,
-    save_figure,
-    write_report,
-)
+import _harness as harness
 
-BASE_PORT = 23556
 MODELS = {
     # name: (input width, hidden layers, global batch)
     "balanced": (1024, [1024] * 8, 2048),
@@ -85,15 +72,15 @@ HOOKS = {"none": "NoCompression", "fp16": "FP16", "powersgd": "PowerSGD"}
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=(
-            "Step time of DistributedModel with gradient buckets, 2 worker "
-            "processes on a shaped loopback (needs root)."
-        )
+    parser = harness.parser(
+        "Step time of DistributedModel with gradient buckets, 2 worker "
+        "processes on a shaped loopback (needs root; --replot does not).",
+        "overlap.json",
+        jobs=True,
+        steps=(6, "Timed steps per round."),
+        rounds=(2, "Rounds per config."),
     )
     parser.add_argument("--rate", default="1gbit", help="tc rate (1gbit).")
-    parser.add_argument("--steps", type=int, default=6, help="Timed steps per round.")
-    parser.add_argument("--rounds", type=int, default=2, help="Rounds per config.")
     parser.add_argument(
         "--buckets",
         nargs="+",
@@ -120,40 +107,16 @@ def parse_args(argv=None):
         "--trace", action="store_true", help="Profile the balanced model (shaped)."
     )
     parser.add_argument("--timeout", type=float, default=2400)
-    parser.add_argument(
-        "--out", default=os.path.join("docs", "benchmarks", "overlap.json")
-    )
-    parser.add_argument(
-        "--replot",
-        metavar="JSON",
-        help="Redraw the plots of an earlier report (no run; no root needed).",
-    )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 # --- Worker (runs inside the namespace) --------------------------------------
 
 
-def worker_main(job_path):
-    with open(job_path) as handle:
-        job = json.load(handle)
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    sys.path.insert(0, REPO_ROOT)
-    import tensorflow as tf
+def make_hook(tf, compression, hook, config):
+    """The hook of `config`: a bucket size, or "local" (sends nothing)."""
 
-    if job["threads"]:
-        intra, inter = job["threads"]
-        tf.config.threading.set_intra_op_parallelism_threads(intra)
-        tf.config.threading.set_inter_op_parallelism_threads(inter)
-    import keras
-    import numpy as np
-
-    import keras_dist
-    from keras_dist import compression
-    from keras_dist.compression import AllReduceHook
-
-    class LocalOnly(AllReduceHook):
+    class LocalOnly(compression.AllReduceHook):
         """Sends nothing: each worker applies its own gradient (times the
         number of replicas). Timing only: the compute without communication."""
 
@@ -162,20 +125,25 @@ def worker_main(job_path):
             n = tf.distribute.get_replica_context().num_replicas_in_sync
             return [g * tf.cast(n, g.dtype) for g in gradients]
 
-    class StepTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.durations = []
+    if config == "local":
+        return LocalOnly()
+    if hook == "powersgd":
+        return compression.PowerSGD(rank=4, start_step=0, bucket_bytes=BUCKETS[config])
+    return getattr(compression, HOOKS[hook])(BUCKETS[config])
 
-        def on_train_batch_begin(self, batch, logs=None):
-            self._start = time.perf_counter()
 
-        def on_train_batch_end(self, batch, logs=None):
-            float(logs["loss"])  # waits for the step
-            self.durations.append(time.perf_counter() - self._start)
+def worker_main(job):
+    import tensorflow as tf
+
+    if job["threads"]:
+        intra, inter = job["threads"]
+        tf.config.threading.set_intra_op_parallelism_threads(intra)
+        tf.config.threading.set_inter_op_parallelism_threads(inter)
+    tf, keras, keras_dist = harness.import_stack()
+    import numpy as np
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    task = harness.task_index()
     configs = ["local", *job["buckets"]]
     results = {}
     for model_name in job["models"]:
@@ -183,55 +151,21 @@ def worker_main(job_path):
         rng = np.random.default_rng(0)
         x = rng.normal(size=(batch * 4, width)).astype("float32")
         y = rng.integers(0, 10, size=batch * 4).astype("int32")
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = (
-            tf.data.experimental.AutoShardPolicy.DATA
-        )
-        dataset = (
-            tf.data.Dataset.from_tensor_slices((x, y))
-            .batch(batch, drop_remainder=True)
-            .repeat()
-            .with_options(options)
-        )
+        dataset = harness.sharded_dataset(tf, x, y, batch)
         models = {}
         for config in configs:
-            if config == "local":
-                hook = LocalOnly()
-            elif job["hook"] == "powersgd":
-                hook = compression.PowerSGD(
-                    rank=4, start_step=0, bucket_bytes=BUCKETS[config]
-                )
-            else:
-                hook = getattr(compression, HOOKS[job["hook"]])(BUCKETS[config])
+            hook = make_hook(tf, keras_dist.compression, job["hook"], config)
             with strategy.scope():
-                keras.utils.set_random_seed(0)
-                inputs = keras.Input((width,))
-                h = inputs
-                for units in hidden:
-                    h = keras.layers.Dense(units, activation="relu")(h)
-                outputs = keras.layers.Dense(10)(h)
-                model = keras_dist.DistributedModel(
-                    inputs, outputs, all_reduce_hook=hook
-                )
-                model.compile(
-                    optimizer=keras.optimizers.SGD(1e-4),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                )
+                model = harness.build_mlp(keras, keras_dist, width, hidden, hook, 1e-4)
             start = time.perf_counter()
             model.fit(dataset, epochs=1, steps_per_epoch=3, verbose=0)
             models[config] = (model, time.perf_counter() - start)
         durations = {config: [] for config in configs}
         for _ in range(job["rounds"]):
             for config in configs:
-                timer = StepTimer()
-                models[config][0].fit(
-                    dataset,
-                    epochs=1,
-                    steps_per_epoch=job["steps"],
-                    callbacks=[timer],
-                    verbose=0,
+                durations[config].extend(
+                    harness.timed_fit(keras, models[config][0], dataset, job["steps"])
                 )
-                durations[config].extend(timer.durations)
         results[model_name] = {
             config: {
                 "step_seconds": durations[config],
@@ -265,109 +199,44 @@ def worker_main(job_path):
                 models[config][0].fit(dataset, epochs=1, steps_per_epoch=2, verbose=0)
                 tf.profiler.experimental.stop()
         del models
-    if task == 0:
-        with open(job["result"], "w") as handle:
-            json.dump(results, handle)
-    sys.stdout.flush()
-    os._exit(0)
+    harness.finish_job(job, results)
 
 
 # --- Parent: namespaces, workers, report --------------------------------------
 
 
-def _run(command_line, check=True):
-    return subprocess.run(command_line, check=check, capture_output=True, text=True)
+def run_condition(args, name, trace):
+    """Runs both workers in a fresh namespace; returns worker 0's results.
 
-
-def run_condition(args, name, workdir):
-    """Runs both workers in a fresh namespace; returns worker 0's results."""
+    With `trace` (a folder), the workers profile the balanced model there
+    and worker 0's trace is read into the results' `_trace`.
+    """
     condition = CONDITIONS[name]
-    namespace = f"kd_overlap_{os.getpid()}_{name}"
-    _run(["ip", "netns", "add", namespace])
-    procs = []
-    try:
-        _run(["ip", "-n", namespace, "link", "set", "lo", "up"])
-        if condition["shaped"]:
-            _run(
-                [
-                    *("ip", "netns", "exec", namespace),
-                    *("tc", "qdisc", "add", "dev", "lo", "root", "tbf"),
-                    *("rate", args.rate, "burst", "512kb", "latency", "100ms"),
-                ]
-            )
-        workers = [f"127.0.0.1:{BASE_PORT + i}" for i in range(2)]
-        result = os.path.join(workdir, f"{name}.json")
-        trace = os.path.join(workdir, f"trace_{name}") if args.trace_here(name) else ""
-        for index in range(2):
-            job = {
-                "buckets": args.buckets,
-                "hook": args.hook,
-                "models": args.models,
-                "steps": args.steps,
-                "rounds": args.rounds,
-                "threads": condition["threads"],
-                "trace": trace,
-                "result": result,
-            }
-            job_path = os.path.join(workdir, f"{name}_{index}_job.json")
-            with open(job_path, "w") as handle:
-                json.dump(job, handle)
-            env = dict(os.environ)
-            env["TF_CONFIG"] = json.dumps(
-                {
-                    "cluster": {"worker": workers},
-                    "task": {"type": "worker", "index": index},
-                }
-            )
-            env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-            env["PYTHONPATH"] = REPO_ROOT
-            log = open(os.path.join(workdir, f"{name}_{index}.log"), "w")  # noqa: SIM115
-            procs.append(
-                (
-                    subprocess.Popen(
-                        [
-                            *("ip", "netns", "exec", namespace, sys.executable),
-                            *(os.path.abspath(__file__), "--worker", job_path),
-                        ],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                    ),
-                    log,
-                )
-            )
-        deadline = time.monotonic() + args.timeout
-        while any(p.poll() is None for p, _ in procs):
-            if any(p.poll() not in (None, 0) for p, _ in procs):
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        for index, (proc, log) in enumerate(procs):
-            if proc.poll() != 0:
-                log.flush()
-                with open(log.name) as handle:
-                    tail = handle.read()[-3000:]
-                raise RuntimeError(
-                    f"worker {index} ({name}) failed or timed out "
-                    f"(code {proc.poll()}):\n{tail}"
-                )
-        with open(result) as handle:
-            report = json.load(handle)
-        if trace:
-            report["_trace"] = {
-                config: read_trace(os.path.join(trace, config, "w0"))
-                for config in TRACED
-                if config in args.buckets
-            }
-        return report
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-        _run(["ip", "netns", "del", namespace], check=False)
+    job = {
+        "buckets": args.buckets,
+        "hook": args.hook,
+        "models": args.models,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "threads": condition["threads"],
+        "trace": trace,
+    }
+    report = harness.run_processes(
+        __file__,
+        job,
+        workers=2,
+        namespace=True,
+        rate=args.rate if condition["shaped"] else None,
+        timeout=args.timeout,
+        name=f"overlap_{name}",
+    )
+    if trace:
+        report["_trace"] = {
+            config: read_trace(os.path.join(trace, config, "w0"))
+            for config in TRACED
+            if config in args.buckets
+        }
+    return report
 
 
 def read_trace(folder) -> dict:
@@ -468,11 +337,7 @@ def summarize(results) -> dict:
 
 
 def format_table(results, summary, rate) -> str:
-    lines = [
-        "| network, threads | model | bucket_bytes | buckets | step (s) "
-        "| speed-up vs none | communication hidden |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
-    ]
+    rows = []
     for key, entry in summary.items():
         condition, model_name = key.split("/")
         label = {
@@ -485,17 +350,26 @@ def format_table(results, summary, rate) -> str:
             name = "local (no communication)" if config == "local" else config
             speedup = f"{item['speedup']:.2f}x" if "speedup" in item else ""
             hidden = f"{item['hidden']:.0%}" if "hidden" in item else ""
-            lines.append(
-                f"| {label} | {model_name} | {name} | {row['buckets']} | "
-                f"{item['step']:.3f} | {speedup} | {hidden} |"
+            step = f"{item['step']:.3f}"
+            rows.append(
+                [label, model_name, name, row["buckets"], step, speedup, hidden]
             )
-    return "\n".join(lines)
+    header = ["network, threads", "model", "bucket_bytes", "buckets", "step (s)"]
+    header += ["speed-up vs none", "communication hidden"]
+    return harness.table(header, rows, align="lllrrrr")
 
 
-def plot(results, summary, path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
+def plot(plt, report, path):
+    """Step times by bucket size (`path`) and, with traces, the timeline
+    (`_trace.png` beside it); returns what was written."""
+    written = plot_steps(plt, report["summary"], path)
+    trace_path = os.path.splitext(path)[0] + "_trace.png"
+    if report["traces"]:
+        written += " and " + plot_trace(plt, report["traces"], trace_path)
+    return written
+
+
+def plot_steps(plt, summary, path):
     conditions = list(dict.fromkeys(key.split("/")[0] for key in summary))
     models = list(dict.fromkeys(key.split("/")[1] for key in summary))
     fig, axes = plt.subplots(
@@ -533,14 +407,10 @@ def plot(results, summary, path) -> bool:
         "(grey: the step without communication)",
         fontsize=10,
     )
-    save_figure(fig, path)
-    return True
+    return harness.save_figure(fig, path)
 
 
-def plot_trace(traces, path) -> bool:
-    plt = pyplot()
-    if plt is None or not traces:
-        return False
+def plot_trace(plt, traces, path):
     fig, axes = plt.subplots(len(traces), 1, figsize=(9, 1.6 + 1.2 * len(traces)))
     if len(traces) == 1:
         axes = [axes]
@@ -569,43 +439,18 @@ def plot_trace(traces, path) -> bool:
         )
     axes[-1].set_xlabel("ms since the step started (worker 0, TensorFlow profiler)")
     fig.tight_layout()
-    save_figure(fig, path)
-    return True
+    return harness.save_figure(fig, path)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.worker:
-        worker_main(args.worker)
-        return 0
-    if args.replot:
-        with open(args.replot) as handle:
-            report = json.load(handle)
-        base = os.path.splitext(args.replot)[0]
-        plot(report["results"], report["summary"], base + ".png")
-        plot_trace(report["traces"], base + "_trace.png")
-        print(f"Wrote {base}.png and {base}_trace.png")
-        return 0
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        print(
-            "bench_overlap needs root and iproute2 (`ip`, `tc`) to create and "
-            "shape a private network namespace. Run it with sudo.",
-            file=sys.stderr,
-        )
-        return 2
+def run(args, report):
+    harness.require_root("bench_overlap")
     traced = "shaped" if "shaped" in args.conditions else args.conditions[0]
-    args.trace_here = lambda name: args.trace and name == traced
-    workdir = tempfile.mkdtemp(prefix="kd_bench_overlap_")
-    clock = RunClock()
     results = {}
-    for name in args.conditions:
-        print(f"Running {name}...", flush=True)
-        try:
-            results[name] = run_condition(args, name, workdir)
-        except RuntimeError:
-            print(f"Worker logs kept in {workdir}", file=sys.stderr)
-            raise
-    shutil.rmtree(workdir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="kd_bench_overlap_trace_") as folder:
+        for name in args.conditions:
+            print(f"Running {name}...", flush=True)
+            trace = folder if args.trace and name == traced else ""
+            results[name] = run_condition(args, name, trace)
     traces = {}
     for name in list(results):
         traces.update(results[name].pop("_trace", {}))
@@ -619,10 +464,7 @@ def main(argv=None):
             f"{trace['collective_ms_during_backward']:.0f} ms during the backward "
             f"pass ({trace['backward_ms']:.0f} ms)"
         )
-    import importlib.metadata
-
-    report = {
-        "command": command(),
+    fields = {
         "rate": args.rate,
         "hook": HOOKS[args.hook],
         "steps_per_round": args.steps,
@@ -632,18 +474,9 @@ def main(argv=None):
         "summary": summary,
         "traces": traces,
         "table": table,
-        "environment": clock.environment(
-            {"tensorflow": importlib.metadata.version("tensorflow")}
-        ),
     }
-    base = os.path.splitext(plot_path(args.out))[0]
-    if plot(results, summary, base + ".png"):
-        report["plot"] = base + ".png"
-    if plot_trace(traces, base + "_trace.png"):
-        report["plot"] += " and " + base + "_trace.png"
-    write_report(args.out, report)
-    return 0
+    report.write(fields)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(harness.main(parse_args, run, plot, job=worker_main))

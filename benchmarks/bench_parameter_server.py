@@ -29,12 +29,11 @@ Usage:
 
 Prints a markdown table; writes the runs, the summary, the environment and
 the command to the JSON file, and a plot next to it (same name, `.png`)
-when matplotlib is importable.
+when matplotlib is importable (`--replot JSON` redraws it).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -42,19 +41,9 @@ import subprocess
 import sys
 import tempfile
 
-from _common import (
-    REPO_ROOT,
-    RunClock,
-    command,
-    import_stack,
-    plot_path,
-    pyplot,
-    save_figure,
-    versions,
-    write_report,
-)
+import _harness as harness
 
-EXAMPLE = os.path.join(REPO_ROOT, "examples", "parameter_server.py")
+EXAMPLE = os.path.join(harness.REPO_ROOT, "examples", "parameter_server.py")
 LAUNCHES = {
     "PS": ["--workers", "2", "--ps", "1", "--chief"],
     "MWMS": ["--workers", "2"],
@@ -63,17 +52,12 @@ TIMEOUT_S = 300
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=(
-            "Parameter servers (async) vs MultiWorkerMirroredStrategy (sync), "
-            "with and without a straggler, through keras-dist launch."
-        )
-    )
-    parser.add_argument(
-        "--epochs", type=int, default=8, help="Training-set passes' worth per run."
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=2, help="Rounds of the 4 configurations."
+    parser = harness.parser(
+        "Parameter servers (async) vs MultiWorkerMirroredStrategy (sync), "
+        "with and without a straggler, through keras-dist launch.",
+        "parameter_server.json",
+        epochs=(8, "Training-set passes' worth per run."),
+        rounds=(2, "Rounds of the 4 configurations."),
     )
     parser.add_argument(
         "--straggler-factor",
@@ -81,14 +65,7 @@ def parse_args(argv=None):
         default=3.0,
         help="How many times as long worker 1's steps take in the straggler runs.",
     )
-    parser.add_argument(
-        "--out",
-        default=os.path.join("docs", "benchmarks", "parameter_server.json"),
-        help="JSON file for the raw results; the plot goes next to it (.png).",
-    )
     args = parser.parse_args(argv)
-    if args.epochs < 1 or args.rounds < 1:
-        parser.error("--epochs and --rounds must be >= 1.")
     if args.straggler_factor <= 1:
         parser.error("--straggler-factor must be > 1.")
     return args
@@ -106,7 +83,7 @@ def run_once(strategy, factor, epochs, folder):
         *(sys.executable, EXAMPLE, "--epochs", str(epochs)),
         *("--straggler-factor", str(factor), "--out", out),
     ]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": REPO_ROOT}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": harness.REPO_ROOT}
     env.pop("TF_CONFIG", None)
     completed = subprocess.run(
         job, capture_output=True, text=True, timeout=TIMEOUT_S, env=env
@@ -163,29 +140,35 @@ def summarize(runs, factor):
 
 
 def markdown_table(rows, ratios):
-    lines = [
-        "| run | steps | samples | test accuracy (mean) | samples/s (median) | "
-        "training wall s | final loss | warm-up step ms | straggler sleep ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    header = ["run", "steps", "samples", "test accuracy (mean)"]
+    header += ["samples/s (median)", "training wall s", "final loss"]
+    header += ["warm-up step ms", "straggler sleep ms"]
+    runs = [
+        [
+            row["configuration"],
+            row["steps"],
+            f"{row['samples']:,}",
+            f"{row['test_accuracy']:.3f}",
+            f"{row['samples_per_s']:,.0f}",
+            f"{row['wall_s']:.1f}",
+            f"{row['final_loss']:.4f}",
+            f"{row['warmup_step_ms']:.0f}",
+            f"{row['straggler_sleep_ms']:.0f}",
+        ]
+        for row in rows
     ]
-    for row in rows:
-        lines.append(
-            f"| {row['configuration']} | {row['steps']} | {row['samples']:,} | "
-            f"{row['test_accuracy']:.3f} | {row['samples_per_s']:,.0f} | "
-            f"{row['wall_s']:.1f} | {row['final_loss']:.4f} | "
-            f"{row['warmup_step_ms']:.0f} | {row['straggler_sleep_ms']:.0f} |"
-        )
-    lines += ["", "| ratio | value |", "| --- | ---: |"]
-    for name, value in ratios.items():
-        text = f"{value:+.3f}" if "accuracy" in name else f"{value:.2f}"
-        lines.append(f"| {name} | {text} |")
-    return "\n".join(lines)
+    values = [
+        [name, f"{value:+.3f}" if "accuracy" in name else f"{value:.2f}"]
+        for name, value in ratios.items()
+    ]
+    return "\n\n".join(
+        [harness.table(header, runs), harness.table(["ratio", "value"], values)]
+    )
 
 
-def plot(rows, runs, factor, path):
-    plt = pyplot()
-    if plt is None:
-        return None
+def plot(plt, report, path):
+    rows, runs = report["summary"], report["runs"]
+    factor = report["setup"]["straggler_factor"]
     figure, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     names = [row["configuration"] for row in rows]
     colors = ["tab:blue" if name.startswith("PS") else "tab:orange" for name in names]
@@ -231,12 +214,10 @@ def plot(rows, runs, factor, path):
         f"straggler x{factor:g} hatched/dashed; 2 shared CPU cores",
         fontsize=10,
     )
-    return save_figure(figure, path)
+    return harness.save_figure(figure, path)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    clock = RunClock()
+def run(args, report):
     configurations = [
         (strategy, factor)
         for factor in (1.0, args.straggler_factor)
@@ -245,8 +226,7 @@ def main(argv=None):
     runs = []
     with tempfile.TemporaryDirectory() as folder:
         for round_index in range(args.rounds):
-            order = configurations if round_index % 2 == 0 else configurations[::-1]
-            for strategy, factor in order:
+            for strategy, factor in harness.alternate(configurations, round_index):
                 result = run_once(strategy, factor, args.epochs, folder)
                 result.update(configuration=label(strategy, factor), round=round_index)
                 runs.append(result)
@@ -261,12 +241,7 @@ def main(argv=None):
     rows, ratios = summarize(runs, args.straggler_factor)
     rows.sort(key=lambda row: order.index(row["configuration"]))
     print(markdown_table(rows, ratios))
-    tf, keras, keras_dist = import_stack()
-    report = {
-        "command": command(),
-        "environment": clock.environment(
-            versions(tf, keras, keras_dist), nice=os.nice(0)
-        ),
+    fields = {
         "setup": {
             "example": "examples/parameter_server.py",
             "launches": {
@@ -284,10 +259,9 @@ def main(argv=None):
         "runs": runs,
         "summary": rows,
         "ratios": ratios,
-        "plot": plot(rows, runs, args.straggler_factor, plot_path(args.out)),
     }
-    write_report(args.out, report)
+    report.write(fields, nice=os.nice(0))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(harness.main(parse_args, run, plot))

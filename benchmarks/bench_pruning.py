@@ -33,28 +33,17 @@ Usage:
 
 Prints a markdown table; writes every run, the environment and the command
 to the JSON file, and a plot next to it (same name, `.png`) when matplotlib
-is importable.
+is importable (`--replot JSON` redraws it).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
 
-from _common import (
-    REPO_ROOT,
-    RunClock,
-    command,
-    import_stack,
-    plot_path,
-    pyplot,
-    save_figure,
-    versions,
-    write_report,
-)
+import _harness as harness
 
 NUM_LOGICAL_CPUS = 2
 UPDATE_BATCH = 64  # examples per update, every configuration
@@ -72,15 +61,11 @@ CONFIGS = (
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description="Pruning to 80% on 2 logical replicas: accuracy, sparsity, bytes."
-    )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument(
-        "--out",
-        default="docs/benchmarks/pruning.json",
-        help="JSON file for the raw results; the plot goes next to it (.png).",
+    parser = harness.parser(
+        "Pruning to 80% on 2 logical replicas: accuracy, sparsity, bytes.",
+        "pruning.json",
+        seeds=([0, 1, 2], None),
+        epochs=(8, None),
     )
     return parser.parse_args(argv)
 
@@ -204,31 +189,32 @@ def summarize(runs):
 
 
 def markdown_table(rows):
-    lines = [
-        "| configuration | hook | accumulation | per replica per micro-step | "
-        "test accuracy, mean (min-max) | final sparsity (min-max) | updates | "
-        "micro-steps | bytes sent per update | bytes sent per micro-step | "
-        "compression |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    header = ["configuration", "hook", "accumulation", "per replica per micro-step"]
+    header += ["test accuracy, mean (min-max)", "final sparsity (min-max)"]
+    header += ["updates", "micro-steps", "bytes sent per update"]
+    header += ["bytes sent per micro-step", "compression"]
+    cells = [
+        [
+            row["config"],
+            f"{row['hook']}()",
+            row["accumulation_steps"],
+            row["micro_batch_per_replica"],
+            f"{row['accuracy_mean']:.3f} "
+            f"({row['accuracy_min']:.3f}-{row['accuracy_max']:.3f})",
+            f"{row['sparsity_min']:.4f}-{row['sparsity_max']:.4f}",
+            "/".join(str(u) for u in row["updates"]),
+            row["micro_steps"],
+            f"{row['sent_bytes_per_update']:,}",
+            f"{row['sent_bytes_per_micro_step']:,.0f}",
+            f"{row['raw_bytes_per_update'] / row['sent_bytes_per_update']:.1f}x",
+        ]
+        for row in rows
     ]
-    for row in rows:
-        updates = "/".join(str(u) for u in row["updates"])
-        lines.append(
-            f"| {row['config']} | {row['hook']}() | {row['accumulation_steps']} | "
-            f"{row['micro_batch_per_replica']} | {row['accuracy_mean']:.3f} "
-            f"({row['accuracy_min']:.3f}-{row['accuracy_max']:.3f}) | "
-            f"{row['sparsity_min']:.4f}-{row['sparsity_max']:.4f} | {updates} | "
-            f"{row['micro_steps']} | {row['sent_bytes_per_update']:,} | "
-            f"{row['sent_bytes_per_micro_step']:,.0f} | "
-            f"{row['raw_bytes_per_update'] / row['sent_bytes_per_update']:.1f}x |"
-        )
-    return "\n".join(lines)
+    return harness.table(header, cells, align="ll" + "r" * 9)
 
 
-def plot(rows, runs, path):
-    plt = pyplot()
-    if plt is None:
-        return None
+def plot(plt, report, path):
+    rows, runs = report["summary"], report["runs"]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     labels = [row["config"] for row in rows]
     positions = range(len(rows))
@@ -260,13 +246,11 @@ def plot(rows, runs, path):
     right.set_ylabel("kB sent per replica")
     right.set_title("bytes sent by the hook")
     right.legend()
-    return save_figure(figure, path)
+    return harness.save_figure(figure, path)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    clock = RunClock()
-    tf, keras, keras_dist = import_stack(logical_cpus=NUM_LOGICAL_CPUS)
+def run(args, report):
+    tf, _, keras_dist = harness.import_stack(logical_cpus=NUM_LOGICAL_CPUS)
     import numpy as np
     import tf_keras
 
@@ -275,14 +259,13 @@ def main(argv=None):
     tfmot = import_tfmot()
     strategy = keras_dist.auto_strategy(cpu_replicas=NUM_LOGICAL_CPUS)
     # The example's data and model: one definition for both.
-    sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
+    sys.path.insert(0, os.path.join(harness.REPO_ROOT, "examples"))
     from prune_distributed import digits
 
     data = digits(SPLIT_SEED)
     runs = []
     for round_index, seed in enumerate(args.seeds):
-        order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
-        for config in order:
+        for config in harness.alternate(CONFIGS, round_index):
             run = run_one(tf, np, keras_dist, strategy, data, config, seed, args.epochs)
             runs.append(run)
             print(
@@ -295,14 +278,7 @@ def main(argv=None):
     table = markdown_table(rows)
     print()
     print(table)
-    report = {
-        "command": command(),
-        "environment": clock.environment(
-            versions(tf, keras, keras_dist),
-            tf_keras=tf_keras.__version__,
-            tfmot=tfmot.__version__,
-            logical_cpu_devices=NUM_LOGICAL_CPUS,
-        ),
+    fields = {
         "setup": {
             "strategy": "MirroredStrategy over 2 logical CPUs",
             "model": "tf_keras Conv2D(16, 3)-Flatten-Dense(64)-Dense(10)",
@@ -323,9 +299,13 @@ def main(argv=None):
         "runs": runs,
         "table": table,
     }
-    report["plot"] = plot(rows, runs, plot_path(args.out))
-    write_report(args.out, report)
+    report.write(
+        fields,
+        tf_keras=tf_keras.__version__,
+        tfmot=tfmot.__version__,
+        logical_cpu_devices=NUM_LOGICAL_CPUS,
+    )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(harness.main(parse_args, run, plot))

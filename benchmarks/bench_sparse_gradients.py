@@ -19,79 +19,65 @@ Usage:
     python benchmarks/bench_sparse_gradients.py [--vocabulary 1000000]
         [--dim 32] [--steps 30] [--rounds 2]
         [--out docs/benchmarks/sparse_gradients.json]
+
+Prints a markdown table; writes the timings, the environment and the command
+to the JSON file, and a plot next to it (same name, `.png`) when matplotlib
+is importable (`--replot JSON` redraws it).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
-from _common import (
-    RunClock,
-    command,
-    import_stack,
-    plot_path,
-    pyplot,
-    save_figure,
-    versions,
-    write_report,
-)
+import _harness as harness
 
 CONFIGS = ("keras.Model", "DistributedModel (sparse)", "DistributedModel (densified)")
 NUM_LOGICAL_CPUS = 2
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--vocabulary", type=int, default=1_000_000)
-    parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument(
-        "--out", default=os.path.join("docs", "benchmarks", "sparse_gradients.json")
+    parser = harness.parser(
+        __doc__.split("\n")[0],
+        "sparse_gradients.json",
+        jobs=True,
+        steps=(30, None),
+        rounds=(2, None),
+        batch_size=(256, None),
     )
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    for name in ("vocabulary", "dim", "steps", "rounds", "batch_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1.")
-    return args
+    parser.add_argument("--vocabulary", type=harness.positive_int, default=1_000_000)
+    parser.add_argument("--dim", type=harness.positive_int, default=32)
+    return parser.parse_args(argv)
 
 
-def child(args):
-    """Trains one configuration; prints its timings and peak memory as JSON."""
-    tf, keras, keras_dist = import_stack(NUM_LOGICAL_CPUS)
+def child(job):
+    """Trains one configuration; writes its timings and peak memory."""
+    tf, keras, keras_dist = harness.import_stack(NUM_LOGICAL_CPUS)
     import numpy as np
 
-    from keras_dist.compression import NoCompression
-    from keras_dist.compression.base import all_reduce_sum
+    all_reduce_sum = harness.private_all_reduce_sum()
 
-    class Densified(NoCompression):
+    class Densified(keras_dist.compression.NoCompression):
         """NoCompression that densifies, as the first round's path did."""
 
         def reduce(self, gradients, variables):
             gradients, _ = self.prepare(gradients, variables)
             return all_reduce_sum(gradients)
 
-    config = args.child
+    config = job["config"]
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     strategy = tf.distribute.MirroredStrategy(devices)
     rng = np.random.default_rng(0)
-    n = args.batch_size * (args.steps + 5)
-    x = rng.integers(0, args.vocabulary, size=(n, 8)).astype("int32")
+    n = job["batch_size"] * (job["steps"] + 5)
+    x = rng.integers(0, job["vocabulary"], size=(n, 8)).astype("int32")
     y = rng.normal(size=(n, 1)).astype("float32")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(job["batch_size"])
     with strategy.scope():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((8,), dtype="int32")
-        hidden = keras.layers.Embedding(args.vocabulary, args.dim)(inputs)
+        hidden = keras.layers.Embedding(job["vocabulary"], job["dim"])(inputs)
         hidden = keras.layers.GlobalAveragePooling1D()(hidden)
         outputs = keras.layers.Dense(1)(hidden)
         if config == "keras.Model":
@@ -103,42 +89,26 @@ def child(args):
     model.fit(dataset.take(3), verbose=0)  # trace and build
     iterator = iter(strategy.experimental_distribute_dataset(dataset.skip(3)))
     times = []
-    for _ in range(args.steps):
+    for _ in range(job["steps"]):
         start = time.perf_counter()
         model.train_function(iterator)["loss"].numpy()
         times.append(time.perf_counter() - start)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"seconds_per_step": times, "peak_rss_mb": peak_mb}))
+    harness.finish_job(job, {"seconds_per_step": times, "peak_rss_mb": peak_mb})
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.child:
-        child(args)
-        return
-    clock = RunClock()
+def run(args, report):
     results = {name: {"seconds_per_step": [], "peak_rss_mb": []} for name in CONFIGS}
     for round_index in range(args.rounds):
-        order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
-        for name in order:
-            child_args = [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--child",
-                name,
-                "--vocabulary",
-                str(args.vocabulary),
-                "--dim",
-                str(args.dim),
-                "--steps",
-                str(args.steps),
-                "--batch-size",
-                str(args.batch_size),
-            ]
-            output = subprocess.run(
-                child_args, capture_output=True, text=True, check=True
-            ).stdout
-            record = json.loads(output.strip().splitlines()[-1])
+        for name in harness.alternate(CONFIGS, round_index):
+            job = {
+                "config": name,
+                "vocabulary": args.vocabulary,
+                "dim": args.dim,
+                "steps": args.steps,
+                "batch_size": args.batch_size,
+            }
+            record = harness.run_processes(__file__, job, name="sparse_gradients")
             results[name]["seconds_per_step"] += record["seconds_per_step"]
             results[name]["peak_rss_mb"].append(record["peak_rss_mb"])
             print(
@@ -148,25 +118,16 @@ def main(argv=None):
                 file=sys.stderr,
             )
     stock = statistics.median(results["keras.Model"]["seconds_per_step"])
-    rows = []
-    lines = [
-        "| configuration | median ms/step | vs keras.Model | peak RSS MB (max) |",
-        "| --- | ---: | ---: | ---: |",
-    ]
+    rows, cells = [], []
     for name in CONFIGS:
         median = statistics.median(results[name]["seconds_per_step"])
         peak = max(results[name]["peak_rss_mb"])
         rows.append({"config": name, "ms_per_step": median * 1e3, "peak_mb": peak})
-        lines.append(
-            f"| {name} | {median * 1e3:.1f} | {median / stock:.2f}x | {peak:.0f} |"
-        )
-    print("\n".join(lines))
-    tf, keras, keras_dist = import_stack()
-    report = {
-        "command": command(),
-        "environment": clock.environment(
-            versions(tf, keras, keras_dist), logical_cpu_devices=NUM_LOGICAL_CPUS
-        ),
+        cells.append([name, f"{median * 1e3:.1f}", f"{median / stock:.2f}x"])
+        cells[-1].append(f"{peak:.0f}")
+    header = ["configuration", "median ms/step", "vs keras.Model"]
+    print(harness.table([*header, "peak RSS MB (max)"], cells))
+    fields = {
         "setup": {
             "vocabulary": args.vocabulary,
             "embedding_dim": args.dim,
@@ -177,15 +138,12 @@ def main(argv=None):
         },
         "results": results,
         "summary": rows,
-        "plot": plot(rows, plot_path(args.out)),
     }
-    write_report(args.out, report)
+    report.write(fields, logical_cpu_devices=NUM_LOGICAL_CPUS)
 
 
-def plot(rows, path):
-    plt = pyplot()
-    if plt is None:
-        return None
+def plot(plt, report, path):
+    rows = report["summary"]
     figure, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     labels = [row["config"].replace(" (", "\n(") for row in rows]
     axes[0].bar(labels, [row["ms_per_step"] for row in rows], color="#4c72b0")
@@ -196,8 +154,8 @@ def plot(rows, path):
         axis.tick_params(axis="x", labelsize=8)
         axis.grid(axis="y", alpha=0.3)
     figure.suptitle("Embedding gradients on 2 logical CPU replicas (lower is better)")
-    return save_figure(figure, path)
+    return harness.save_figure(figure, path)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(harness.main(parse_args, run, plot, job=child))
