@@ -36,9 +36,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dist import _backup, _compat, _gradient_statistics, _process
+from keras_dist import _backup, _compat, _gradient_statistics
 from keras_dist._fit_data import BatchesFitData
 from keras_dist._validation import check_bool, check_choice, check_int, check_real
+from keras_dist.launcher import process as _process
 from keras_dist.noise_scale import (
     NoiseScaleController,
     NoiseScaleMeasurement,

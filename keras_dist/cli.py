@@ -6,6 +6,11 @@ every task a free localhost port, starts one process per task with its own
 line. It is the quickest way to run a `MultiWorkerMirroredStrategy` or
 `ParameterServerStrategy` script for real before it goes to a cluster.
 
+This module parses the arguments and dispatches: `launch` runs
+`keras_dist.launcher.launch` (also importable as `keras_dist.cli.launch`),
+the hidden `_ps-server` (a launcher's parameter-server task) runs
+`keras_dist.parameter_server.serving.serve`.
+
 Example:
 
 ```shell
@@ -22,31 +27,21 @@ This module imports TensorFlow only inside the commands that need it (`env`,
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import platform
 import sys
-from collections.abc import Mapping, Sequence
-from typing import IO
+from collections.abc import Sequence
 
-from keras_dist import _process
 from keras_dist import cluster as cluster_lib
-from keras_dist._validation import check_int, check_real
-
-PROG = "keras-dist"
-TASK_ENV_VAR = "KERAS_DIST_TASK"
-# The attempt number (0 for the first start) in every task's environment.
-RESTART_ENV_VAR = "KERAS_DIST_RESTART"
-DEFAULT_GRACE_PERIOD = 5.0
-# Seconds a collective may wait for a peer, for tasks the launcher starts
-# (`auto_strategy` reads it from KERAS_DIST_COLLECTIVE_TIMEOUT): generous,
-# since one worker may validate or write a backup while the others wait.
-DEFAULT_COLLECTIVE_TIMEOUT = 300.0
-COLLECTIVE_TIMEOUT_ENV_VAR = "KERAS_DIST_COLLECTIVE_TIMEOUT"
-# Internal subcommand that runs a parameter-server task; hidden from `--help`.
-PS_SERVER_COMMAND = "_ps-server"
-
-_PS_SERVER_ARGS = ("-m", "keras_dist", PS_SERVER_COMMAND)
+from keras_dist.launcher import process as process_lib
+from keras_dist.launcher.supervisor import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_GRACE_PERIOD,
+    PROG,
+    PS_SERVER_COMMAND,
+    launch,
+    say,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,242 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageExit as usage_exit:
         return usage_exit.status
     except KeyboardInterrupt:
-        return _process.EXIT_INTERRUPTED
-
-
-def launch(
-    command: Sequence[str],
-    workers: int,
-    ps: int = 0,
-    chief: bool = False,
-    host: str = "localhost",
-    grace_period: float = DEFAULT_GRACE_PERIOD,
-    max_restarts: int = 0,
-    collective_timeout: float | None = None,
-    environ: Mapping[str, str] | None = None,
-    stdout: IO[str] | None = None,
-    stderr: IO[str] | None = None,
-) -> int:
-    """Runs `command` as every chief and worker task of a local cluster.
-
-    Each task is one process started with its own `TF_CONFIG` (and
-    `KERAS_DIST_TASK`, e.g. `"worker:1"`) and `PYTHONUNBUFFERED=1`. Its stdout
-    and stderr are merged and every line is written to `stdout` as it comes,
-    prefixed with the task name: `[worker:1] ...`; when the reader of
-    `stdout` goes away (`keras-dist launch ... | head`), the output is dropped
-    and the tasks run on. Parameter-server tasks do
-    not run `command`: each runs a TensorFlow gRPC server until the training
-    tasks are done, and is then stopped (the same server that
-    `keras_dist.auto_strategy()` starts on a `ps` task where a cluster runs
-    the script on every task). With parameter servers and a chief, the chief
-    is the `ParameterServerStrategy` coordinator: when it exits with status
-    0 the job is done, and workers still running (serving in
-    `auto_strategy()`, which never returns there) are stopped.
-
-    The first training task that fails stops all the others (SIGTERM, then
-    SIGKILL after `grace_period` seconds). A parameter server that exits while
-    training tasks still run is a failure too. Under parameter servers a
-    worker is not: the coordinator retries its steps on the other workers,
-    and the job goes on while one worker is left (or, with `max_restarts`,
-    the failed worker is started again in place). Every task runs in its own
-    process group, so whatever it starts is stopped with it.
-
-    With `max_restarts > 0`, a failed job is started again, whole (a
-    `MultiWorkerMirroredStrategy`'s collectives cannot take a new process
-    into a running group), on fresh ports, up to `max_restarts` times; each
-    restart is announced with the task that failed, how, and the attempt
-    number, and every task finds the attempt number (0 first) in
-    `KERAS_DIST_RESTART`. With `keras_dist.callbacks.BackupAndRestore` in
-    the script, a restarted job goes on from its last backup. A task that
-    was preempted (`SIGTERM`, after writing its backup) exits with status
-    75, and is restarted like any other failure.
-
-    Args:
-        command: Sequence of strings. The program and its arguments, e.g.
-            `["python", "train.py"]`.
-        workers: Int. Number of `worker` tasks, >= 1.
-        ps: Int. Number of parameter-server tasks. Defaults to `0`.
-        chief: Bool. Whether to add a `chief` task that also runs `command`.
-            Defaults to `False`.
-        host: String. Host name written into the cluster addresses. Defaults
-            to `"localhost"`.
-        grace_period: Float. Seconds between SIGTERM and SIGKILL when tasks
-            are stopped. Defaults to `5.0`.
-        max_restarts: Int >= 0. How many times a failed job is started
-            again. With parameter servers and a chief: how many times in all
-            a failed worker is started again in place (the chief and the
-            ps tasks are not restarted). Defaults to `0`.
-        collective_timeout: Float or `None`. Seconds a collective may wait
-            for a peer before it fails, given to the tasks as
-            `KERAS_DIST_COLLECTIVE_TIMEOUT` (read by
-            `keras_dist.auto_strategy`). `None` keeps the variable when the
-            environment has it, else uses `DEFAULT_COLLECTIVE_TIMEOUT` (300
-            s). Defaults to `None`.
-        environ: Mapping or `None`. Base environment for the tasks; `None`
-            uses `os.environ`. Defaults to `None`.
-        stdout: Text stream or `None`. Where the prefixed task output goes;
-            `None` means `sys.stdout`. Defaults to `None`.
-        stderr: Text stream or `None`. Where the launcher's own messages go;
-            `None` means `sys.stderr`. Defaults to `None`.
-
-    Returns:
-        `0` when every chief and worker task exited with status 0 (with
-        parameter servers and a chief: when the chief did); otherwise
-        the exit status of the first task that failed (`128 + N` for a task
-        killed by signal N), `127` when `command` could not be started, `1`
-        when the system has too few file descriptors or processes for every
-        task, `130` after Ctrl-C and `143` after SIGTERM.
-
-    Raises:
-        TypeError: a count is not an int, or `grace_period` not a number.
-        ValueError: `command` is empty, a count is out of range, or
-            `grace_period` is negative or not finite.
-
-    Example:
-
-    ```python
-    from keras_dist.cli import launch
-
-    status = launch(["python", "train.py"], workers=2)  # like the CLI
-    ```
-    """
-    command = list(command)
-    if not command:
-        raise ValueError("`command` must name a program to run. Received: command=[].")
-    workers = check_int("workers", workers, minimum=1)
-    grace_period = check_real(
-        "grace_period", grace_period, minimum=0, hint="It is in seconds."
-    )
-    max_restarts = check_int("max_restarts", max_restarts, minimum=0)
-    collective_timeout = check_real(
-        "collective_timeout",
-        collective_timeout,
-        minimum=0,
-        low_open=True,
-        allow_none=True,
-        hint="It is in seconds.",
-    )
-    coordinated = bool(ps and chief)
-    if max_restarts and ps and not chief:
-        raise ValueError(
-            "`max_restarts` with parameter servers needs `chief=True` (the "
-            "chief coordinates; a failed worker is restarted in place while "
-            f"it runs). Received: max_restarts={max_restarts}, ps={ps}, "
-            "chief=False."
-        )
-    # With a coordinator, a failed worker is restarted in place and the job
-    # goes on; a MultiWorkerMirroredStrategy job restarts whole.
-    worker_restarts = max_restarts if coordinated else 0
-    max_restarts = 0 if coordinated else max_restarts
-    out = stdout if stdout is not None else sys.stdout
-    err = stderr if stderr is not None else sys.stderr
-    base_env = dict(os.environ if environ is None else environ)
-    if collective_timeout is not None:
-        base_env[COLLECTIVE_TIMEOUT_ENV_VAR] = f"{collective_timeout:g}"
-    else:
-        base_env.setdefault(
-            COLLECTIVE_TIMEOUT_ENV_VAR, f"{DEFAULT_COLLECTIVE_TIMEOUT:g}"
-        )
-    launch_attempt = functools.partial(
-        _launch_once,
-        command,
-        workers,
-        ps,
-        chief,
-        host,
-        grace_period,
-        base_env,
-        out,
-        err,
-        worker_restarts,
-    )
-    attempt = 0
-    while True:
-        failure: list = []
-        status = launch_attempt(attempt, failure)
-        # Only a task's failure is worth a restart: not a launcher that was
-        # interrupted or stopped, nor a command that could not start.
-        if status == 0 or not failure or attempt >= max_restarts:
-            if failure and max_restarts and attempt >= max_restarts:
-                _say(
-                    err,
-                    f"giving up after {attempt + 1} attempts (max restarts "
-                    f"{max_restarts}); exit status {status}.",
-                )
-            return status
-        attempt += 1
-        name, code = failure[0]
-        how = (
-            "was preempted (status 75, after writing its backup)"
-            if code == _process.EXIT_PREEMPTED
-            else f"failed with {_process.describe_exit(code)}"
-        )
-        _say(
-            err,
-            f"restart {attempt} of {max_restarts}: {name} {how}; starting the "
-            f"whole job again ({RESTART_ENV_VAR}={attempt}).",
-        )
-
-
-def _launch_once(
-    command,
-    workers,
-    ps,
-    chief,
-    host,
-    grace_period,
-    base_env,
-    out,
-    err,
-    worker_restarts,
-    attempt,
-    failure,
-) -> int:
-    """Starts every task of one attempt and supervises them to the end.
-
-    The failed task's `(name, returncode)` is appended to `failure`.
-    """
-    try:
-        spec = cluster_lib.local_cluster(workers=workers, ps=ps, chief=chief, host=host)
-    except OSError as error:
-        # Too many tasks for the descriptor limit: say so, as for a task
-        # that cannot start.
-        _say(err, str(error))
-        return _process.EXIT_NO_RESOURCES
-    specs = []
-    # Parameter servers first: the training tasks connect to them.
-    for task_type in ("ps", "chief", "worker"):
-        for index in range(len(spec.get(task_type, []))):
-            if task_type == "ps":
-                task_command = [sys.executable, *_PS_SERVER_ARGS]
-                env = _process.env_with_package(base_env)
-            else:
-                task_command, env = command, dict(base_env)
-            name = f"{task_type}:{index}"
-            env["TF_CONFIG"] = cluster_lib.make_tf_config(spec, task_type, index)
-            env[TASK_ENV_VAR] = name
-            env[RESTART_ENV_VAR] = str(attempt)
-            env["PYTHONUNBUFFERED"] = "1"
-            specs.append(
-                _process.TaskSpec(name, task_command, env, serves=task_type == "ps")
-            )
-    # With parameter servers the chief is the coordinator: the job is done
-    # when it is, and the workers, which only serve, are stopped then.
-    coordinated = bool(ps and chief)
-    return _process.run_tasks(
-        specs,
-        out,
-        lambda message: _say(err, message),
-        grace_period,
-        coordinator="chief:0" if coordinated else None,
-        failure=failure,
-        # A parameter-server job survives its workers: the coordinator
-        # retries a lost worker's steps on the others.
-        replaceable=[s.name for s in specs if s.name.startswith("worker:")]
-        if coordinated
-        else (),
-        restarts=worker_restarts,
-    )
+        return process_lib.EXIT_INTERRUPTED
 
 
 class _UsageExit(Exception):
@@ -525,20 +285,16 @@ def _version_text() -> str:
     return f"{PROG} {__version__}"
 
 
-def _say(stream: IO[str], message: str) -> None:
-    print(f"{PROG}: {message}", file=stream, flush=True)
-
-
 def _run_ps_server() -> int:
     """Runs this process's parameter-server task from `TF_CONFIG` until killed."""
     try:
         config = cluster_lib.parse_tf_config()
     except ValueError as error:
-        _say(sys.stderr, str(error))
+        say(sys.stderr, str(error))
         return 2
     task = (config or {}).get("task") or {}
     if task.get("type") != "ps":
-        _say(
+        say(
             sys.stderr,
             f"`{PS_SERVER_COMMAND}` runs a parameter-server task and needs "
             "TF_CONFIG with task type 'ps'. Received: "
@@ -546,23 +302,17 @@ def _run_ps_server() -> int:
             f"`{PROG} launch --ps M`.",
         )
         return 2
-    import tensorflow as tf
+    from keras_dist.parameter_server import serving
 
-    index = task.get("index", 0)
-    server = tf.distribute.Server(
-        tf.train.ClusterSpec(config["cluster"]),
-        job_name="ps",
-        task_index=index,
-        protocol="grpc",
-        start=True,
-    )
-    address = config["cluster"]["ps"][index]
+    serving.serve(config["cluster"], "ps", task.get("index", 0), announce=_listening)
+    return 0
+
+
+def _listening(name: str, address: str) -> None:
     print(
-        f"parameter server ps:{index} listening on {address} (pid {os.getpid()})",
+        f"parameter server {name} listening on {address} (pid {os.getpid()})",
         flush=True,
     )
-    server.join()
-    return 0
 
 
 def _run_demo(argv: list[str]) -> int:

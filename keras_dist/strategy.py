@@ -48,6 +48,7 @@ import tensorflow as tf
 
 from keras_dist import cluster as cluster_lib
 from keras_dist._validation import check_int, check_real
+from keras_dist.parameter_server import serving
 
 logger = logging.getLogger(__name__)
 
@@ -670,37 +671,20 @@ def _tpu_strategy(env, startup_timeout: float) -> tf.distribute.Strategy:
 def _parameter_server_strategy(variable_partitioner) -> tf.distribute.Strategy:
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     if resolver.task_type in ("worker", "ps"):
-        _serve(resolver)
+        # The chief's coordinator drives this task; it only serves, until the
+        # launcher (or the cluster's job controller) stops it.
+        serving.serve(
+            resolver.cluster_spec(),
+            resolver.task_type,
+            resolver.task_id,
+            protocol=resolver.rpc_layer or "grpc",
+        )
+        # `serve` does not return; were it to, the script must still not go
+        # on to train as if it were the coordinator.
+        raise SystemExit(0)
     return tf.distribute.experimental.ParameterServerStrategy(
         resolver, variable_partitioner=variable_partitioner
     )
-
-
-def _serve(resolver) -> None:
-    """Runs this `worker`/`ps` task's server until the process is stopped.
-
-    The chief's `ClusterCoordinator` drives the task; it has nothing else to
-    do. The launcher (or the cluster's job controller) stops it when the
-    chief is done. Never returns.
-    """
-    name = f"{resolver.task_type}:{resolver.task_id}"
-    address = resolver.cluster_spec().task_address(resolver.task_type, resolver.task_id)
-    server = tf.distribute.Server(
-        resolver.cluster_spec(),
-        job_name=resolver.task_type,
-        task_index=resolver.task_id,
-        protocol=resolver.rpc_layer or "grpc",
-        start=True,
-    )
-    logger.warning(
-        "keras_dist: %s of a parameter-server cluster is serving on %s (pid "
-        "%d) until the job ends; the chief coordinates the training.",
-        name,
-        address,
-        os.getpid(),
-    )
-    server.join()
-    raise SystemExit(0)
 
 
 def _slurm_resolver(env):

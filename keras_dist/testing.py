@@ -33,9 +33,9 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
-from keras_dist import _process
 from keras_dist import cluster as cluster_lib
 from keras_dist._validation import check_int, check_real
+from keras_dist.launcher import process as process_lib
 
 # How long a finished worker waits for its peers to finish before it exits
 # (see `_wait_for_peers`); the caller's `timeout` bounds the whole run.
@@ -120,13 +120,13 @@ def run_workers(
             pickle.dump(job, handle)
         # The child runs `-m keras_dist.testing` before it reads the job file,
         # so this copy of keras_dist must be importable from the start.
-        child_env = _process.env_with_package({**os.environ, **(env or {})})
+        child_env = process_lib.env_with_package({**os.environ, **(env or {})})
         child_env["TF_CONFIG"] = cluster_lib.make_tf_config(spec, "worker", index)
         child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         log = open(os.path.join(workdir, f"worker_{index}.log"), "w+b")  # noqa: SIM115
         logs.append(log)
         procs.append(
-            _process.start(
+            process_lib.start(
                 [sys.executable, "-m", "keras_dist.testing", job_path],
                 child_env,
                 stdout=log,
@@ -137,7 +137,7 @@ def run_workers(
         if failed is not None:
             index, reason = failed
             # Stop the others before reading the logs they share offsets with.
-            _process.kill(procs)
+            process_lib.kill(procs)
             raise WorkerError(
                 f"worker {index} of {num_workers} {reason}.\n"
                 f"{_describe(workdir, index, logs[index])}"
@@ -148,7 +148,7 @@ def run_workers(
                 results.append(pickle.load(handle)["value"])
         return results
     finally:
-        _process.kill(procs)
+        process_lib.kill(procs)
         for log in logs:
             log.close()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -159,7 +159,7 @@ def _wait_all(procs, timeout):
     deadline = time.monotonic() + timeout
     pending = list(procs)
     while pending:
-        exited = _process.wait_any(pending, max(0.0, deadline - time.monotonic()))
+        exited = process_lib.wait_any(pending, max(0.0, deadline - time.monotonic()))
         if exited is None:
             stuck = [procs.index(proc) for proc in pending]
             return stuck[0], f"timed out after {timeout:g} s (still running: {stuck})"

@@ -1,7 +1,8 @@
 """What several test modules share; imported by the worker processes too.
 
 Small models and data, a harness for all-reduce hooks, a fresh-interpreter
-runner and process checks. Like `workers.py`, it imports neither pytest nor
+runner, process checks and what the launcher's tests share (`write_script`,
+`task_lines`, `SLEEPER`). Like `workers.py`, it imports neither pytest nor
 conftest.
 """
 
@@ -210,6 +211,35 @@ def wait_gone(pid, timeout=10.0):
             os.kill(pid, signal.SIGKILL)
             raise AssertionError(f"process {pid} is still running")
         time.sleep(0.05)
+
+
+def write_script(folder, name, source):
+    """Writes the dedented `source` to `folder/name`; returns its path."""
+    path = pathlib.Path(folder) / name
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def task_lines(output, task):
+    """The lines of a launcher's `output` that `task` printed, unprefixed."""
+    prefix = f"[{task}] "
+    return [
+        line[len(prefix) :] for line in output.splitlines() if line.startswith(prefix)
+    ]
+
+
+# A launched task's script: writes its pid to <argv[1]>/<task>.pid
+# (atomically), says "ready", then sleeps <argv[2]> seconds.
+SLEEPER = """
+    import os, sys, time
+    task = os.environ["KERAS_DIST_TASK"].replace(":", "_")
+    path = os.path.join(sys.argv[1], task + ".pid")
+    with open(path + ".tmp", "w") as handle:
+        handle.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+    print("ready", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
 
 
 def train_example(out, *args, env=None, timeout=300):

@@ -3,6 +3,8 @@
 Most `launch` tests call `cli.main` in the test process (the launcher itself
 is then free, the tasks are real processes); the tests that need the launcher
 to be a process of its own (`python -m keras_dist`, SIGINT) start it as one.
+What `launch` does with its tasks (chief, coordinator, failures, restarts) is
+in `test_launcher_supervisor.py`.
 """
 
 import ast
@@ -13,29 +15,22 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
-from helpers import REPO_ROOT, is_alive, wait_gone
+from helpers import (
+    REPO_ROOT,
+    SLEEPER,
+    is_alive,
+    task_lines,
+    wait_gone,
+    write_script,
+)
 
 from keras_dist import cli
 
 # Generous: a process that imports TensorFlow takes ~10 s on 2 busy cores.
 PROCESS_TIMEOUT = 120
-
-
-def _write_script(tmp_path, name, source):
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(source))
-    return str(path)
-
-
-def _task_lines(output, task):
-    prefix = f"[{task}] "
-    return [
-        line[len(prefix) :] for line in output.splitlines() if line.startswith(prefix)
-    ]
 
 
 def _wait_for_files(paths, timeout, process=None):
@@ -59,21 +54,8 @@ def _run_module(args, **kwargs):
     )
 
 
-# Writes its pid to <dir>/<task>.pid (atomically), then sleeps.
-SLEEPER = """
-    import os, sys, time
-    task = os.environ["KERAS_DIST_TASK"].replace(":", "_")
-    path = os.path.join(sys.argv[1], task + ".pid")
-    with open(path + ".tmp", "w") as handle:
-        handle.write(str(os.getpid()))
-    os.rename(path + ".tmp", path)
-    print("ready", flush=True)
-    time.sleep(float(sys.argv[2]))
-"""
-
-
 def test_launch_prefixes_lines_and_gives_each_worker_its_tf_config(tmp_path, capsys):
-    script = _write_script(
+    script = write_script(
         tmp_path,
         "show.py",
         """
@@ -89,7 +71,7 @@ def test_launch_prefixes_lines_and_gives_each_worker_its_tf_config(tmp_path, cap
     assert status == 0
     configs = []
     for index in range(2):
-        lines = _task_lines(output, f"worker:{index}")
+        lines = task_lines(output, f"worker:{index}")
         assert f"task worker:{index}" in lines, output
         config = json.loads(next(line for line in lines if line.startswith("{")))
         assert config["task"] == {"type": "worker", "index": index}
@@ -103,74 +85,10 @@ def test_launch_prefixes_lines_and_gives_each_worker_its_tf_config(tmp_path, cap
     )
 
 
-def test_launch_with_chief_runs_the_command_as_chief_too(tmp_path, capsys):
-    script = _write_script(
-        tmp_path,
-        "show.py",
-        """
-        import json, os
-        config = json.loads(os.environ["TF_CONFIG"])
-        print(sorted(config["cluster"]), config["task"]["type"])
-        """,
-    )
-
-    status = cli.main(
-        ["launch", "--workers", "1", "--chief", "--", sys.executable, script]
-    )
-
-    output = capsys.readouterr().out
-    assert status == 0
-    assert _task_lines(output, "chief:0") == ["['chief', 'worker'] chief"]
-    assert _task_lines(output, "worker:0") == ["['chief', 'worker'] worker"]
-
-
-def test_failing_worker_stops_the_others_and_sets_the_exit_code(tmp_path, capsys):
-    # worker:0 fails once worker:1 is surely running; worker:1 would sleep 60 s.
-    failer = """
-        import os, sys, time
-        if os.environ["KERAS_DIST_TASK"] == "worker:0":
-            other = os.path.join(sys.argv[1], "worker_1.pid")
-            while not os.path.exists(other):
-                time.sleep(0.02)
-            print("giving up", flush=True)
-            sys.exit(3)
-    """
-    script = _write_script(
-        tmp_path,
-        "fail_or_sleep.py",
-        textwrap.dedent(failer) + textwrap.dedent(SLEEPER),
-    )
-
-    start = time.monotonic()
-    status = cli.main(
-        ["launch", "--workers", "2", "--", sys.executable, script, str(tmp_path), "60"]
-    )
-    elapsed = time.monotonic() - start
-
-    captured = capsys.readouterr()
-    assert status == 3
-    assert elapsed < 20
-    assert "[worker:0] giving up" in captured.out
-    assert "worker:0 failed with exit code 3" in captured.err
-    wait_gone(int((tmp_path / "worker_1.pid").read_text()), timeout=1.0)
-
-
-def test_unstartable_command_exits_127(capsys):
-    status = cli.main(["launch", "--workers", "1", "--", "no-such-program-kd"])
-
-    assert status == 127
-    assert "cannot start" in capsys.readouterr().err
-
-
-def test_launch_rejects_an_empty_command():
-    with pytest.raises(ValueError, match="`command` must name a program"):
-        cli.launch([], workers=1)
-
-
 def test_ps_task_serves_until_the_workers_finish(tmp_path, capsys):
     # The worker waits until the parameter server's gRPC port accepts
     # connections, so the server really started.
-    script = _write_script(
+    script = write_script(
         tmp_path,
         "reach_ps.py",
         """
@@ -196,83 +114,26 @@ def test_ps_task_serves_until_the_workers_finish(tmp_path, capsys):
 
     output = capsys.readouterr().out
     assert status == 0, output
-    assert "reached ps" in _task_lines(output, "worker:0")
-    listening = [line for line in _task_lines(output, "ps:0") if "listening on" in line]
+    assert "reached ps" in task_lines(output, "worker:0")
+    listening = [line for line in task_lines(output, "ps:0") if "listening on" in line]
     assert listening, output
     wait_gone(int(re.search(r"\(pid (\d+)\)", listening[0]).group(1)), timeout=1.0)
 
 
-def test_with_ps_the_launch_ends_when_the_chief_does(tmp_path, capsys):
-    # ParameterServerStrategy workers only serve (`server.join()` never
-    # returns); the chief, the coordinator, decides when the job is done.
-    script = _write_script(tmp_path, "sleeper.py", SLEEPER)
-    chief = _write_script(
-        tmp_path,
-        "chief_or_sleeper.py",
-        f"""
-        import os, runpy, sys, time
-        if os.environ["KERAS_DIST_TASK"] == "chief:0":
-            deadline = time.monotonic() + 60
-            while len([n for n in os.listdir(sys.argv[1]) if n.endswith(".pid")]) < 2:
-                assert time.monotonic() < deadline, "workers did not start"
-                time.sleep(0.05)
-            print("coordinator done")
-        else:
-            runpy.run_path({script!r}, run_name="__main__")
-        """,
-    )
-    pids = tmp_path / "pids"
-    pids.mkdir()
+def test_ps_server_refuses_a_task_that_is_not_a_ps(monkeypatch, capsys):
+    config = {"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker"}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
 
-    status = cli.main(
-        [
-            "launch",
-            "--workers",
-            "2",
-            "--ps",
-            "1",
-            "--chief",
-            "--",
-            sys.executable,
-            chief,
-            str(pids),
-            "300",
-        ]
-    )
+    status = cli.main(["_ps-server"])
 
-    captured = capsys.readouterr()
-    assert status == 0, captured.out + captured.err
-    assert "coordinator done" in _task_lines(captured.out, "chief:0")
-    assert "chief:0 (the coordinator) finished; stopping the 2 worker task(s)" in (
-        captured.err
-    )
-    for name in ("worker_0", "worker_1"):
-        wait_gone(int((pids / f"{name}.pid").read_text()), timeout=1.0)
-
-
-def test_without_ps_a_finished_chief_waits_for_the_workers(tmp_path, capsys):
-    script = _write_script(
-        tmp_path,
-        "chief_first.py",
-        """
-        import os, time
-        if os.environ["KERAS_DIST_TASK"] == "worker:0":
-            time.sleep(1.5)
-        print("done")
-        """,
-    )
-
-    status = cli.main(
-        ["launch", "--workers", "1", "--chief", "--", sys.executable, script]
-    )
-
-    output = capsys.readouterr().out
-    assert status == 0
-    assert _task_lines(output, "worker:0") == ["done"]
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "keras-dist: `_ps-server` runs a parameter-server task and needs " in err
+    assert "It is started by `keras-dist launch --ps M`." in err
 
 
 def test_module_launcher_stops_its_tasks_on_sigint(tmp_path):
-    script = _write_script(tmp_path, "sleeper.py", SLEEPER)
+    script = write_script(tmp_path, "sleeper.py", SLEEPER)
     command = [sys.executable, script, str(tmp_path), "60"]
     launcher = subprocess.Popen(
         [sys.executable, "-m", "keras_dist", "launch", "--workers=2", "--", *command],
@@ -375,34 +236,6 @@ def test_cli_module_imports_no_framework_at_top_level():
     assert not imported & {"tensorflow", "keras", "numpy"}
 
 
-MULTIWORKER_SCRIPT = """
-    import json, os
-    import tensorflow as tf
-
-    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-
-    @tf.function
-    def all_reduce():
-        value = strategy.run(lambda: tf.constant(index + 1.0))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-
-    print(f"replicas={strategy.num_replicas_in_sync} sum={float(all_reduce())}")
-"""
-
-
-@pytest.mark.multiworker
-def test_launch_runs_a_real_multi_worker_all_reduce(tmp_path, capsys):
-    script = _write_script(tmp_path, "all_reduce.py", MULTIWORKER_SCRIPT)
-
-    status = cli.main(["launch", "--workers", "2", "--", sys.executable, script])
-
-    output = capsys.readouterr().out
-    assert status == 0, output
-    for index in range(2):
-        assert "replicas=2 sum=3.0" in _task_lines(output, f"worker:{index}"), output
-
-
 LAUNCH_TWO = [sys.executable, "-m", "keras_dist", "launch", "--workers=2", "--"]
 
 
@@ -437,7 +270,7 @@ def test_closed_stdout_drops_output_but_the_tasks_run_on(tmp_path):
     # `keras-dist launch ... | head -1`: the reader goes away after one line.
     # The tasks print on after that (once `go` exists) and finish; the
     # launcher reports no failure and no traceback, and exits with their 0.
-    script = _write_script(
+    script = write_script(
         tmp_path,
         "chatty.py",
         """
@@ -462,7 +295,7 @@ def test_closed_stdout_drops_output_but_the_tasks_run_on(tmp_path):
 
 
 def test_broken_pipe_keeps_the_exit_code_of_a_failing_task(tmp_path):
-    script = _write_script(
+    script = write_script(
         tmp_path,
         "fail_late.py",
         """
@@ -506,44 +339,29 @@ def test_too_few_file_descriptors_is_a_clear_error():
     assert re.search(r"keras-dist: .*file descriptors.*ulimit -n", result.stderr)
 
 
-def test_a_worker_that_finishes_early_is_not_blamed(tmp_path, capsys):
-    # worker:0 exits 0 at once; worker:1 fails later (as a peer whose
-    # collective lost worker:0 would). The report names worker:1 as the
-    # failed task and worker:0 as the one that left early.
-    script = _write_script(
+def test_restart_options_reach_the_launcher(tmp_path, capsys):
+    # attempt 0 fails; attempt 1 succeeds and has the collective timeout.
+    script = write_script(
         tmp_path,
-        "early.py",
+        "fail_first.py",
         """
-        import os, sys, time
-        if os.environ["KERAS_DIST_TASK"] == "worker:0":
-            sys.exit(0)
-        time.sleep(1.0)
-        print("peer gone", flush=True)
-        sys.exit(4)
+        import os, sys
+        print("timeout", os.environ["KERAS_DIST_COLLECTIVE_TIMEOUT"])
+        sys.exit(3 if os.environ["KERAS_DIST_RESTART"] == "0" else 0)
         """,
     )
 
-    status = cli.main(["launch", "--workers", "2", "--", sys.executable, script])
+    status = cli.main(
+        [
+            *("launch", "--workers", "1", "--max-restarts", "1"),
+            *("--collective-timeout", "7.5", "--", sys.executable, script),
+        ]
+    )
 
-    err = capsys.readouterr().err
-    assert status == 4
-    assert "task worker:1 failed with exit code 4 (worker:0 had already exited" in err
-    assert "task worker:0 failed" not in err
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"workers": True}, TypeError, r"`workers` must be an int >= 1\. Received"),
-        ({"workers": 0}, ValueError, r"`workers` must be an int >= 1\. Received"),
-        ({"workers": 1, "chief": "no"}, TypeError, r"`chief` must be a bool"),
-        ({"workers": 1, "grace_period": -1}, ValueError, r"`grace_period` must be"),
-        ({"workers": 1, "grace_period": "5"}, TypeError, r"grace_period='5'"),
-    ],
-)
-def test_launch_validates_its_arguments(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        cli.launch(["true"], **kwargs)
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert task_lines(captured.out, "worker:0") == ["timeout 7.5", "timeout 7.5"]
+    assert "restart 1 of 1: worker:0 failed with exit code 3" in captured.err
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-1"])

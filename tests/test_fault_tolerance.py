@@ -28,7 +28,7 @@ import tensorflow as tf
 from helpers import REPO_ROOT
 
 import keras_dist
-from keras_dist import _backup, cli
+from keras_dist import _backup
 from keras_dist.callbacks import BackupAndRestore
 from keras_dist.compression import FP16, PowerSGD
 
@@ -244,94 +244,6 @@ def test_peer_killed_during_all_reduce_is_named(tmp_path):
     assert processes[0].returncode == 1, output0[-3000:]
     assert "RuntimeError: Training stopped on worker:0: lost worker:1" in output0
     assert time.monotonic() - start < 60 + 150
-
-
-# --- The launcher ------------------------------------------------------------
-
-
-FLAKY = """
-import os, sys, time
-attempt = int(os.environ["KERAS_DIST_RESTART"])
-task = os.environ["KERAS_DIST_TASK"]
-print("attempt", attempt, task, os.environ["KERAS_DIST_COLLECTIVE_TIMEOUT"])
-# Both tasks print before either exits: the launcher stops the other task as
-# soon as one fails, which could cut a slower task's line.
-folder = sys.argv[2]
-with open(os.path.join(folder, f"{attempt}-{task}"), "w") as marker:
-    marker.write(os.environ["KERAS_DIST_COLLECTIVE_TIMEOUT"])
-deadline = time.monotonic() + 60
-while time.monotonic() < deadline and sum(
-    name.startswith(f"{attempt}-") for name in os.listdir(folder)
-) < 2:
-    time.sleep(0.02)
-sys.exit(0 if attempt >= int(sys.argv[1]) else 3)
-"""
-
-
-def run_launch(capsys, *args):
-    status = cli.main(["launch", "--workers", "2", *args])
-    captured = capsys.readouterr()
-    return status, captured.out + captured.err
-
-
-def test_launch_restarts_the_whole_job_until_it_succeeds(capsys, tmp_path):
-    status, output = run_launch(
-        capsys,
-        "--max-restarts",
-        "2",
-        "--",
-        sys.executable,
-        "-c",
-        FLAKY,
-        "2",
-        str(tmp_path),
-    )
-    assert status == 0
-    for attempt in range(3):
-        assert f"attempt {attempt} worker:0 300" in output
-    assert "restart 1 of 2: worker:" in output
-    assert "failed with exit code 3" in output
-    assert "(KERAS_DIST_RESTART=2)" in output
-
-
-def test_launch_gives_up_with_the_last_status(capsys, tmp_path):
-    status, output = run_launch(
-        capsys,
-        "--max-restarts",
-        "1",
-        "--collective-timeout",
-        "7",
-        "--",
-        sys.executable,
-        "-c",
-        FLAKY,
-        "5",
-        str(tmp_path),
-    )
-    assert status == 3
-    # Every task of both attempts ran, with the timeout. (Read from the
-    # tasks' files: a task's last output line can still be in the pipe when
-    # the launcher, stopping the job, stops reading it.)
-    for attempt in (0, 1):
-        for task in ("worker:0", "worker:1"):
-            assert (tmp_path / f"{attempt}-{task}").read_text() == "7"
-    assert "giving up after 2 attempts (max restarts 1); exit status 3" in output
-
-
-def test_launch_without_restarts_keeps_todays_behaviour(capsys, tmp_path):
-    status, output = run_launch(
-        capsys, "--", sys.executable, "-c", FLAKY, "1", str(tmp_path)
-    )
-    assert status == 3
-    assert "restart" not in output
-
-
-def test_launch_refuses_restarts_with_parameter_servers_but_no_chief():
-    # With a chief (the coordinator) a failed worker is restarted in place.
-    with pytest.raises(ValueError, match=r"max_restarts.*needs `chief=True`"):
-        cli.launch(["true"], workers=1, ps=1, max_restarts=1)
-    with pytest.raises(ValueError, match="max_restarts"):
-        cli.launch(["true"], workers=1, max_restarts=-1)
 
 
 def test_collective_timeout_reaches_the_strategy(monkeypatch):

@@ -1,4 +1,4 @@
-"""Tests for keras_dist._process, with real processes (no mocks)."""
+"""Tests for keras_dist.launcher.process, with real processes (no mocks)."""
 
 import io
 import os
@@ -11,7 +11,7 @@ import time
 import pytest
 from helpers import run_python, wait_gone
 
-from keras_dist import _process
+from keras_dist.launcher import process as process_lib
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="process groups")
 
@@ -21,7 +21,7 @@ def python(code):
 
 
 def spec(name, code, serves=False):
-    return _process.TaskSpec(name, python(code), dict(os.environ), serves=serves)
+    return process_lib.TaskSpec(name, python(code), dict(os.environ), serves=serves)
 
 
 class Messages(list):
@@ -30,15 +30,17 @@ class Messages(list):
 
 
 def test_env_with_package_puts_this_copy_first():
-    env = _process.env_with_package({"PYTHONPATH": "/elsewhere", "A": "1"})
-    assert env["PYTHONPATH"] == os.pathsep.join([_process.PACKAGE_PARENT, "/elsewhere"])
+    env = process_lib.env_with_package({"PYTHONPATH": "/elsewhere", "A": "1"})
+    assert env["PYTHONPATH"] == os.pathsep.join(
+        [process_lib.PACKAGE_PARENT, "/elsewhere"]
+    )
     assert env["A"] == "1"
-    assert _process.env_with_package({})["PYTHONPATH"] == _process.PACKAGE_PARENT
-    assert (pathlib.Path(_process.PACKAGE_PARENT) / "keras_dist").is_dir()
+    assert process_lib.env_with_package({})["PYTHONPATH"] == process_lib.PACKAGE_PARENT
+    assert (pathlib.Path(process_lib.PACKAGE_PARENT) / "keras_dist").is_dir()
 
 
 def test_start_gives_a_process_group_and_merges_stderr(tmp_path):
-    process = _process.start(
+    process = process_lib.start(
         python("""
             import os, sys
             print(os.getpgid(0) == os.getpid(), flush=True)
@@ -54,20 +56,20 @@ def test_start_gives_a_process_group_and_merges_stderr(tmp_path):
 
 def test_start_raises_os_error_for_a_missing_program():
     with pytest.raises(OSError):
-        _process.start(["no-such-program-kd"], os.environ)
+        process_lib.start(["no-such-program-kd"], os.environ)
 
 
 def test_prefixed_output_copies_whole_lines_with_the_task_name():
     stream = io.StringIO()
-    output = _process.PrefixedOutput(stream)
-    process = _process.start(
+    output = process_lib.PrefixedOutput(stream)
+    process = process_lib.start(
         python("""
             import sys
             sys.stdout.buffer.write(b"one\\r\\ntwo\\n\\xff bad byte\\nno newline")
         """),
         os.environ,
     )
-    task = _process.Task(_process.TaskSpec("worker:3", [], {}), process)
+    task = process_lib.Task(process_lib.TaskSpec("worker:3", [], {}), process)
     output.follow(task).join(timeout=60)
     process.wait(timeout=60)
     assert stream.getvalue().splitlines() == [
@@ -83,15 +85,15 @@ def test_prefixed_output_drops_lines_once_the_reader_is_gone():
     read_end, write_end = os.pipe()
     os.close(read_end)
     with open(write_end, "w") as stream:
-        output = _process.PrefixedOutput(stream)
-        process = _process.start(
+        output = process_lib.PrefixedOutput(stream)
+        process = process_lib.start(
             python("""
                 for line in range(10000):
                     print(line)
             """),
             os.environ,
         )
-        task = _process.Task(_process.TaskSpec("worker:0", [], {}), process)
+        task = process_lib.Task(process_lib.TaskSpec("worker:0", [], {}), process)
         output.follow(task).join(timeout=60)
         # The task was read to the end, so it never blocked nor saw EPIPE.
         assert process.wait(timeout=60) == 0
@@ -100,35 +102,35 @@ def test_prefixed_output_drops_lines_once_the_reader_is_gone():
 
 
 def test_wait_any_returns_the_first_process_that_exits():
-    slow = _process.start(python("import time; time.sleep(30)"), os.environ)
-    fast = _process.start(python("raise SystemExit(7)"), os.environ)
+    slow = process_lib.start(python("import time; time.sleep(30)"), os.environ)
+    fast = process_lib.start(python("raise SystemExit(7)"), os.environ)
     try:
-        assert _process.wait_any([slow, fast], timeout=60) is fast
+        assert process_lib.wait_any([slow, fast], timeout=60) is fast
         assert fast.returncode == 7
         start = time.monotonic()
-        assert _process.wait_any([slow], timeout=0.3) is None
+        assert process_lib.wait_any([slow], timeout=0.3) is None
         assert time.monotonic() - start < 5
     finally:
-        _process.kill([slow, fast])
+        process_lib.kill([slow, fast])
     assert slow.returncode == -signal.SIGKILL
 
 
 def test_exit_status_and_description_follow_the_shell():
-    process = _process.start(python("import time; time.sleep(30)"), os.environ)
-    _process.send_signal(process, signal.SIGTERM)
+    process = process_lib.start(python("import time; time.sleep(30)"), os.environ)
+    process_lib.send_signal(process, signal.SIGTERM)
     code = process.wait(timeout=60)
     assert code == -signal.SIGTERM
-    assert _process.exit_status(code) == 143
-    assert _process.describe_exit(code) == "exit code 143 (killed by SIGTERM)"
-    assert _process.describe_exit(3) == "exit code 3"
-    assert _process.exit_status(3) == 3
+    assert process_lib.exit_status(code) == 143
+    assert process_lib.describe_exit(code) == "exit code 143 (killed by SIGTERM)"
+    assert process_lib.describe_exit(3) == "exit code 3"
+    assert process_lib.exit_status(3) == 3
 
 
 def test_stop_gives_sigterm_then_sigkill_after_the_grace_period(tmp_path):
     # The task ignores SIGTERM and has started a grandchild: both are killed
     # after the grace period, the grandchild with its process group.
     pid_file = tmp_path / "grandchild.pid"
-    stubborn = _process.start(
+    stubborn = process_lib.start(
         python(f"""
             import signal, subprocess, sys, time
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -141,11 +143,11 @@ def test_stop_gives_sigterm_then_sigkill_after_the_grace_period(tmp_path):
         """),
         os.environ,
     )
-    polite = _process.start(python("import time; time.sleep(60)"), os.environ)
+    polite = process_lib.start(python("import time; time.sleep(60)"), os.environ)
     assert stubborn.stdout.readline() == b"ready\n"
 
     start = time.monotonic()
-    _process.stop([stubborn, polite], grace_period=1.0)
+    process_lib.stop([stubborn, polite], grace_period=1.0)
     elapsed = time.monotonic() - start
 
     assert 0.9 < elapsed < 10
@@ -160,7 +162,7 @@ def test_run_tasks_success_prefixes_every_task():
     messages = Messages()
     specs = [spec(f"worker:{index}", f"print('hello {index}')") for index in range(2)]
 
-    status = _process.run_tasks(specs, out, messages, grace_period=1.0)
+    status = process_lib.run_tasks(specs, out, messages, grace_period=1.0)
 
     assert status == 0
     assert sorted(out.getvalue().splitlines()) == [
@@ -195,7 +197,7 @@ def test_run_tasks_first_failure_stops_the_others(tmp_path):
     ]
 
     start = time.monotonic()
-    status = _process.run_tasks(specs, out, messages, grace_period=1.0)
+    status = process_lib.run_tasks(specs, out, messages, grace_period=1.0)
 
     assert status == 3
     assert time.monotonic() - start < 30
@@ -212,7 +214,7 @@ def test_run_tasks_a_serving_task_that_exits_is_a_failure():
         spec("worker:0", "import time; time.sleep(60)"),
     ]
 
-    status = _process.run_tasks(specs, io.StringIO(), messages, grace_period=1.0)
+    status = process_lib.run_tasks(specs, io.StringIO(), messages, grace_period=1.0)
 
     assert status == 1
     assert messages[0].startswith("parameter server ps:0 stopped with exit code 0")
@@ -227,7 +229,7 @@ def test_run_tasks_ends_when_the_coordinator_does():
     ]
 
     start = time.monotonic()
-    status = _process.run_tasks(
+    status = process_lib.run_tasks(
         specs, io.StringIO(), messages, grace_period=1.0, coordinator="chief:0"
     )
 
@@ -243,12 +245,12 @@ def test_run_tasks_reports_a_command_that_cannot_start():
     messages = Messages()
     specs = [
         spec("worker:0", "import time; time.sleep(60)"),
-        _process.TaskSpec("worker:1", ["no-such-program-kd"], dict(os.environ)),
+        process_lib.TaskSpec("worker:1", ["no-such-program-kd"], dict(os.environ)),
     ]
 
-    status = _process.run_tasks(specs, io.StringIO(), messages, grace_period=1.0)
+    status = process_lib.run_tasks(specs, io.StringIO(), messages, grace_period=1.0)
 
-    assert status == _process.EXIT_CANNOT_START == 127
+    assert status == process_lib.EXIT_CANNOT_START == 127
     assert messages[0].startswith("cannot start 'no-such-program-kd': ")
 
 
@@ -259,7 +261,7 @@ def test_run_tasks_says_when_file_descriptors_run_out(tmp_path):
         import os, resource, sys
         # Imported as the command line imports it, without TensorFlow.
         sys.argv[0] = "-m"
-        from keras_dist import _process
+        from keras_dist.launcher import process as process_lib
         resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
         folder = {str(tmp_path)!r}
         script = (
@@ -269,10 +271,10 @@ def test_run_tasks_says_when_file_descriptors_run_out(tmp_path):
         )
         command = [sys.executable, "-c", script]
         specs = [
-            _process.TaskSpec(f"worker:{{i}}", command, dict(os.environ))
+            process_lib.TaskSpec(f"worker:{{i}}", command, dict(os.environ))
             for i in range(100)
         ]
-        status = _process.run_tasks(specs, sys.stdout, print, grace_period=1.0)
+        status = process_lib.run_tasks(specs, sys.stdout, print, grace_period=1.0)
         print("status", status)
     """
     result = run_python(code)
@@ -283,3 +285,82 @@ def test_run_tasks_says_when_file_descriptors_run_out(tmp_path):
     assert result.stdout.splitlines()[-1] == "status 1"
     for path in tmp_path.iterdir():
         wait_gone(int(path.name), timeout=5.0)
+
+
+def test_launcher_restarts_a_lost_worker_in_place_then_goes_on_without_it(tmp_path):
+    """The launcher's part of a parameter-server job surviving its workers.
+
+    (Moved here from test_parameter_server_unit.py.)
+    """
+    out, messages = io.StringIO(), []
+    chief_may_exit = tmp_path / "done"
+    runs = tmp_path / "runs"
+    specs = [
+        spec(
+            "chief:0",
+            f"""
+            import os, time
+            while not os.path.exists({str(chief_may_exit)!r}):
+                time.sleep(0.02)
+            time.sleep(1.5)  # the launcher sees worker:1's exit first
+            """,
+        ),
+        spec("worker:0", "import time; time.sleep(60)"),
+        # worker:1 fails at once, every time; the second failure, with no
+        # restart left, lets the chief finish.
+        spec(
+            "worker:1",
+            f"""
+            import os, sys
+            with open({str(runs)!r}, "a") as file:
+                file.write("run\\n")
+            if open({str(runs)!r}).read().count("run") == 2:
+                open({str(chief_may_exit)!r}, "w").close()
+            sys.exit(9)
+            """,
+        ),
+    ]
+
+    status = process_lib.run_tasks(
+        specs,
+        out,
+        messages.append,
+        grace_period=1.0,
+        coordinator="chief:0",
+        replaceable=["worker:0", "worker:1"],
+        restarts=1,
+    )
+
+    assert status == 0, messages
+    assert runs.read_text().count("run") == 2
+    assert messages[:2] == [
+        "task worker:1 failed with exit code 9; started it again in place (the "
+        "coordinator retries its steps); 0 restart(s) left.",
+        "task worker:1 failed with exit code 9; the coordinator retries its "
+        "steps on worker:0.",
+    ]
+    assert messages[2:] == [
+        "chief:0 (the coordinator) finished; stopping the 1 worker task(s) still "
+        "serving."
+    ]
+
+
+def test_launcher_stops_when_no_worker_is_left():
+    messages = []
+    specs = [
+        spec("chief:0", "import time; time.sleep(60)"),
+        spec("worker:0", "import sys; sys.exit(4)"),
+    ]
+    status = process_lib.run_tasks(
+        specs,
+        io.StringIO(),
+        messages.append,
+        grace_period=1.0,
+        coordinator="chief:0",
+        replaceable=["worker:0"],
+    )
+    assert status == 4
+    assert messages == [
+        "task worker:0 failed with exit code 4 and no worker is left; stopping "
+        "the other tasks."
+    ]

@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from keras_dist import _process, cli, cluster
+from keras_dist import cluster
+from keras_dist.launcher import DEFAULT_GRACE_PERIOD
+from keras_dist.launcher import process as process_lib
 
 pytestmark = [
     pytest.mark.multiworker,
@@ -58,7 +60,7 @@ TRAIN_SCRIPT = textwrap.dedent(
 
 
 def _env(**extra):
-    env = _process.env_with_package(os.environ)
+    env = process_lib.env_with_package(os.environ)
     env.update(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3", **extra)
     for name in ("KERAS_DIST_STARTUP_TIMEOUT", "KERAS_DIST_TPU", "TPU_NAME"):
         env.pop(name, None)
@@ -67,14 +69,14 @@ def _env(**extra):
 
 def _start_worker(spec, index, timeout):
     env = _env(TF_CONFIG=cluster.make_tf_config(spec, "worker", index))
-    return _process.start([sys.executable, "-c", BUILD_SCRIPT, str(timeout)], env)
+    return process_lib.start([sys.executable, "-c", BUILD_SCRIPT, str(timeout)], env)
 
 
 def _finish(process, timeout):
     try:
         out, _ = process.communicate(timeout=timeout)
     finally:
-        _process.kill([process])
+        process_lib.kill([process])
     return out.decode(errors="replace")
 
 
@@ -109,7 +111,7 @@ def test_workers_started_apart_form_one_cluster():
         out_second = _finish(second, timeout=180)
         out_first = _finish(first, timeout=60)
     finally:
-        _process.kill([first])
+        process_lib.kill([first])
     assert second.returncode == 0, out_second
     assert first.returncode == 0, out_first
     assert "sum=2.0" in out_first
@@ -148,4 +150,4 @@ def test_sigterm_stops_a_training_launch_at_once(tmp_path):
     assert "received SIGTERM; stopping all tasks" in rest
     # Without auto_strategy restoring SIGTERM, every worker ignored it and
     # the stop took the whole grace period before SIGKILL.
-    assert stop_seconds < cli.DEFAULT_GRACE_PERIOD / 2, (stop_seconds, rest)
+    assert stop_seconds < DEFAULT_GRACE_PERIOD / 2, (stop_seconds, rest)

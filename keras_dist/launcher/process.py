@@ -1,7 +1,8 @@
 """Start, watch and stop groups of task processes.
 
 One implementation for the two places that run a local cluster: the
-`keras-dist launch` command (`cli.py`) and `keras_dist.testing.run_workers`.
+`keras-dist launch` command (`keras_dist.launcher.supervisor`) and
+`keras_dist.testing.run_workers`.
 Every task runs in its own process group (POSIX), so stopping a task stops
 whatever it started too; stopping is SIGTERM, then SIGKILL after a grace
 period. Popen reports death by signal N as -N; the exit statuses here follow
@@ -24,9 +25,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-# The folder that holds the `keras_dist` package: put first on a child's
-# PYTHONPATH, this very copy is importable there, installed or not.
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The folder that holds the `keras_dist` package (this file is
+# keras_dist/launcher/process.py): put first on a child's PYTHONPATH, this very
+# copy is importable there, installed or not.
+PACKAGE_PARENT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 
 EXIT_INTERRUPTED = 130
 # A task that wrote a backup after SIGTERM (preemption) and asks to be

@@ -1,0 +1,42 @@
+"""The local cluster launcher behind `keras-dist launch`.
+
+- `keras_dist.launcher.supervisor`: `launch`, which builds the tasks of a
+  local cluster, runs them, relays the exit status of the one that failed
+  and restarts a failed job (`--max-restarts`).
+- `keras_dist.launcher.process`: starting, watching and stopping groups of
+  task processes, one helper for the launcher and
+  `keras_dist.testing.run_workers`.
+
+Nothing here imports TensorFlow or Keras: the launcher starts its tasks
+without paying for them.
+
+Example:
+
+```python
+from keras_dist.launcher import launch
+
+status = launch(["python", "train.py"], workers=2)  # keras-dist launch
+```
+"""
+
+from keras_dist.launcher.process import EXIT_PREEMPTED as EXIT_PREEMPTED
+from keras_dist.launcher.supervisor import (
+    COLLECTIVE_TIMEOUT_ENV_VAR as COLLECTIVE_TIMEOUT_ENV_VAR,
+)
+from keras_dist.launcher.supervisor import (
+    DEFAULT_COLLECTIVE_TIMEOUT as DEFAULT_COLLECTIVE_TIMEOUT,
+)
+from keras_dist.launcher.supervisor import DEFAULT_GRACE_PERIOD as DEFAULT_GRACE_PERIOD
+from keras_dist.launcher.supervisor import RESTART_ENV_VAR as RESTART_ENV_VAR
+from keras_dist.launcher.supervisor import TASK_ENV_VAR as TASK_ENV_VAR
+from keras_dist.launcher.supervisor import launch as launch
+
+__all__ = [
+    "COLLECTIVE_TIMEOUT_ENV_VAR",
+    "DEFAULT_COLLECTIVE_TIMEOUT",
+    "DEFAULT_GRACE_PERIOD",
+    "EXIT_PREEMPTED",
+    "RESTART_ENV_VAR",
+    "TASK_ENV_VAR",
+    "launch",
+]

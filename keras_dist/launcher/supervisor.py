@@ -1,0 +1,327 @@
+"""Run a command as every task of a local cluster; restart a failed job.
+
+`launch` is what `keras-dist launch` runs. It builds the tasks of a local
+cluster (`keras_dist.cluster.local_cluster`: a free localhost port per task,
+each task's own `TF_CONFIG`), starts and supervises them through
+`keras_dist.launcher.process`, relays the exit status of the task that
+failed, and with `max_restarts` starts a failed job again.
+
+This module imports neither TensorFlow nor Keras: parameter-server tasks run
+`python -m keras_dist _ps-server` (`keras_dist.parameter_server.serving`),
+so the launcher itself starts its tasks without paying for a framework.
+
+Example:
+
+```python
+from keras_dist.launcher import launch
+
+status = launch(["python", "train.py"], workers=2)  # like the command line
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+from keras_dist import cluster as cluster_lib
+from keras_dist._validation import check_bool, check_int, check_real
+from keras_dist.launcher import process as process_lib
+
+PROG = "keras-dist"
+TASK_ENV_VAR = "KERAS_DIST_TASK"
+# The attempt number (0 for the first start) in every task's environment.
+RESTART_ENV_VAR = "KERAS_DIST_RESTART"
+DEFAULT_GRACE_PERIOD = 5.0
+# Seconds a collective may wait for a peer, for tasks the launcher starts
+# (`auto_strategy` reads it from KERAS_DIST_COLLECTIVE_TIMEOUT): generous,
+# since one worker may validate or write a backup while the others wait.
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+COLLECTIVE_TIMEOUT_ENV_VAR = "KERAS_DIST_COLLECTIVE_TIMEOUT"
+# Internal subcommand that runs a parameter-server task; hidden from `--help`.
+PS_SERVER_COMMAND = "_ps-server"
+
+_PS_SERVER_ARGS = ("-m", "keras_dist", PS_SERVER_COMMAND)
+
+
+def launch(
+    command: Sequence[str],
+    workers: int,
+    ps: int = 0,
+    chief: bool = False,
+    host: str = "localhost",
+    grace_period: float = DEFAULT_GRACE_PERIOD,
+    max_restarts: int = 0,
+    collective_timeout: float | None = None,
+    environ: Mapping[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Runs `command` as every chief and worker task of a local cluster.
+
+    Each task is one process started with its own `TF_CONFIG` (and
+    `KERAS_DIST_TASK`, e.g. `"worker:1"`) and `PYTHONUNBUFFERED=1`. Its stdout
+    and stderr are merged and every line is written to `stdout` as it comes,
+    prefixed with the task name: `[worker:1] ...`; when the reader of
+    `stdout` goes away (`keras-dist launch ... | head`), the output is dropped
+    and the tasks run on. Parameter-server tasks do
+    not run `command`: each runs a TensorFlow gRPC server until the training
+    tasks are done, and is then stopped (the same server that
+    `keras_dist.auto_strategy()` starts on a `ps` task where a cluster runs
+    the script on every task). With parameter servers and a chief, the chief
+    is the `ParameterServerStrategy` coordinator: when it exits with status
+    0 the job is done, and workers still running (serving in
+    `auto_strategy()`, which never returns there) are stopped.
+
+    The first training task that fails stops all the others (SIGTERM, then
+    SIGKILL after `grace_period` seconds). A parameter server that exits while
+    training tasks still run is a failure too. Under parameter servers a
+    worker is not: the coordinator retries its steps on the other workers,
+    and the job goes on while one worker is left (or, with `max_restarts`,
+    the failed worker is started again in place). Every task runs in its own
+    process group, so whatever it starts is stopped with it.
+
+    With `max_restarts > 0`, a failed job is started again, whole (a
+    `MultiWorkerMirroredStrategy`'s collectives cannot take a new process
+    into a running group), on fresh ports, up to `max_restarts` times; each
+    restart is announced with the task that failed, how, and the attempt
+    number, and every task finds the attempt number (0 first) in
+    `KERAS_DIST_RESTART`. With `keras_dist.callbacks.BackupAndRestore` in
+    the script, a restarted job goes on from its last backup. A task that
+    was preempted (`SIGTERM`, after writing its backup) exits with status
+    75, and is restarted like any other failure.
+
+    `keras_dist.cli.launch` is this same function.
+
+    Args:
+        command: Sequence of strings. The program and its arguments, e.g.
+            `["python", "train.py"]`.
+        workers: Int. Number of `worker` tasks, >= 1.
+        ps: Int. Number of parameter-server tasks. Defaults to `0`.
+        chief: Bool. Whether to add a `chief` task that also runs `command`.
+            Defaults to `False`.
+        host: String. Host name written into the cluster addresses. Defaults
+            to `"localhost"`.
+        grace_period: Float. Seconds between SIGTERM and SIGKILL when tasks
+            are stopped. Defaults to `5.0`.
+        max_restarts: Int >= 0. How many times a failed job is started
+            again. With parameter servers and a chief: how many times in all
+            a failed worker is started again in place (the chief and the
+            ps tasks are not restarted). Defaults to `0`.
+        collective_timeout: Float or `None`. Seconds a collective may wait
+            for a peer before it fails, given to the tasks as
+            `KERAS_DIST_COLLECTIVE_TIMEOUT` (read by
+            `keras_dist.auto_strategy`). `None` keeps the variable when the
+            environment has it, else uses `DEFAULT_COLLECTIVE_TIMEOUT` (300
+            s). Defaults to `None`.
+        environ: Mapping or `None`. Base environment for the tasks; `None`
+            uses `os.environ`. Defaults to `None`.
+        stdout: Text stream or `None`. Where the prefixed task output goes;
+            `None` means `sys.stdout`. Defaults to `None`.
+        stderr: Text stream or `None`. Where the launcher's own messages go;
+            `None` means `sys.stderr`. Defaults to `None`.
+
+    Returns:
+        `0` when every chief and worker task exited with status 0 (with
+        parameter servers and a chief: when the chief did); otherwise
+        the exit status of the first task that failed (`128 + N` for a task
+        killed by signal N), `127` when `command` could not be started, `1`
+        when the system has too few file descriptors or processes for every
+        task, `130` after Ctrl-C and `143` after SIGTERM.
+
+    Raises:
+        TypeError: a count is not an int, `chief` not a bool, or
+            `grace_period` not a number.
+        ValueError: `command` is empty, a count is out of range,
+            `grace_period` is negative or not finite, or `max_restarts` is
+            given with parameter servers but no chief.
+
+    Example:
+
+    ```python
+    from keras_dist.launcher import launch
+
+    status = launch(["python", "train.py"], workers=2)  # like the CLI
+    ```
+    """
+    command = list(command)
+    if not command:
+        raise ValueError("`command` must name a program to run. Received: command=[].")
+    workers = check_int("workers", workers, minimum=1)
+    ps = check_int("ps", ps, minimum=0)
+    chief = check_bool("chief", chief)
+    grace_period = check_real(
+        "grace_period", grace_period, minimum=0, hint="It is in seconds."
+    )
+    max_restarts = check_int("max_restarts", max_restarts, minimum=0)
+    collective_timeout = check_real(
+        "collective_timeout",
+        collective_timeout,
+        minimum=0,
+        low_open=True,
+        allow_none=True,
+        hint="It is in seconds.",
+    )
+    coordinated = bool(ps and chief)
+    if max_restarts and ps and not chief:
+        raise ValueError(
+            "`max_restarts` with parameter servers needs `chief=True` (the "
+            "chief coordinates; a failed worker is restarted in place while "
+            f"it runs). Received: max_restarts={max_restarts}, ps={ps}, "
+            "chief=False."
+        )
+    env = dict(os.environ if environ is None else environ)
+    if collective_timeout is not None:
+        env[COLLECTIVE_TIMEOUT_ENV_VAR] = f"{collective_timeout:g}"
+    else:
+        env.setdefault(COLLECTIVE_TIMEOUT_ENV_VAR, f"{DEFAULT_COLLECTIVE_TIMEOUT:g}")
+    err = stderr if stderr is not None else sys.stderr
+    job = _Job(
+        command=command,
+        workers=workers,
+        ps=ps,
+        chief=chief,
+        host=host,
+        grace_period=grace_period,
+        env=env,
+        out=stdout if stdout is not None else sys.stdout,
+        err=err,
+        # With a coordinator, a failed worker is restarted in place and the
+        # job goes on; a MultiWorkerMirroredStrategy job restarts whole.
+        worker_restarts=max_restarts if coordinated else 0,
+    )
+    max_restarts = 0 if coordinated else max_restarts
+    attempt = 0
+    while True:
+        status, failed = job.run(attempt)
+        # Only a task's failure is worth a restart: not a launcher that was
+        # interrupted or stopped, nor a command that could not start.
+        if status == 0 or failed is None or attempt >= max_restarts:
+            if failed is not None and max_restarts and attempt >= max_restarts:
+                say(
+                    err,
+                    f"giving up after {attempt + 1} attempts (max restarts "
+                    f"{max_restarts}); exit status {status}.",
+                )
+            return status
+        attempt += 1
+        name, code = failed
+        how = (
+            "was preempted (status 75, after writing its backup)"
+            if code == process_lib.EXIT_PREEMPTED
+            else f"failed with {process_lib.describe_exit(code)}"
+        )
+        say(
+            err,
+            f"restart {attempt} of {max_restarts}: {name} {how}; starting the "
+            f"whole job again ({RESTART_ENV_VAR}={attempt}).",
+        )
+
+
+def cluster_tasks(
+    command: Sequence[str],
+    cluster_spec: Mapping[str, Sequence[str]],
+    env: Mapping[str, str],
+    attempt: int = 0,
+) -> list[process_lib.TaskSpec]:
+    """Returns what to start for every task of `cluster_spec`, in start order.
+
+    Parameter servers come first (the training tasks connect to them) and run
+    `python -m keras_dist _ps-server` with this copy of keras_dist on their
+    `PYTHONPATH`; the chief and worker tasks run `command`. Every task's
+    environment is `env` plus its `TF_CONFIG`, `KERAS_DIST_TASK` (e.g.
+    `"worker:1"`), `KERAS_DIST_RESTART` (`attempt`) and
+    `PYTHONUNBUFFERED=1`.
+
+    Args:
+        command: Sequence of strings. The program and its arguments.
+        cluster_spec: Dict. Task type -> addresses, as
+            `keras_dist.cluster.local_cluster` returns it.
+        env: Mapping. The base environment of every task.
+        attempt: Int. The attempt number, 0 for the first start. Defaults to
+            `0`.
+
+    Returns:
+        A list of `keras_dist.launcher.process.TaskSpec`.
+    """
+    specs = []
+    for task_type in ("ps", "chief", "worker"):
+        for index in range(len(cluster_spec.get(task_type, []))):
+            if task_type == "ps":
+                task_command = [sys.executable, *_PS_SERVER_ARGS]
+                task_env = process_lib.env_with_package(env)
+            else:
+                task_command, task_env = list(command), dict(env)
+            name = f"{task_type}:{index}"
+            task_env["TF_CONFIG"] = cluster_lib.make_tf_config(
+                cluster_spec, task_type, index
+            )
+            task_env[TASK_ENV_VAR] = name
+            task_env[RESTART_ENV_VAR] = str(attempt)
+            task_env["PYTHONUNBUFFERED"] = "1"
+            specs.append(
+                process_lib.TaskSpec(
+                    name, task_command, task_env, serves=task_type == "ps"
+                )
+            )
+    return specs
+
+
+def say(stream: IO[str], message: str) -> None:
+    """Writes one of the launcher's own messages, `keras-dist: ...`."""
+    print(f"{PROG}: {message}", file=stream, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What every attempt of one `launch` starts the same way."""
+
+    command: list[str]
+    workers: int
+    ps: int
+    chief: bool
+    host: str
+    grace_period: float
+    env: dict[str, str]
+    out: IO[str]
+    err: IO[str]
+    worker_restarts: int
+
+    def run(self, attempt: int) -> tuple[int, tuple[str, int] | None]:
+        """Starts every task of one attempt and supervises them to the end.
+
+        Returns the exit status and the `(name, returncode)` of the task that
+        failed, or `None` when no task failed.
+        """
+        try:
+            spec = cluster_lib.local_cluster(
+                workers=self.workers, ps=self.ps, chief=self.chief, host=self.host
+            )
+        except OSError as error:
+            # Too many tasks for the descriptor limit: say so, as for a task
+            # that cannot start.
+            say(self.err, str(error))
+            return process_lib.EXIT_NO_RESOURCES, None
+        specs = cluster_tasks(self.command, spec, self.env, attempt)
+        # With parameter servers the chief is the coordinator: the job is
+        # done when it is, and the workers, which only serve, are stopped then.
+        coordinated = bool(self.ps and self.chief)
+        failure = []
+        status = process_lib.run_tasks(
+            specs,
+            self.out,
+            lambda message: say(self.err, message),
+            self.grace_period,
+            coordinator="chief:0" if coordinated else None,
+            failure=failure,
+            # A parameter-server job survives its workers: the coordinator
+            # retries a lost worker's steps on the others.
+            replaceable=[s.name for s in specs if s.name.startswith("worker:")]
+            if coordinated
+            else (),
+            restarts=self.worker_restarts,
+        )
+        return status, failure[0] if failure else None
