@@ -19,8 +19,8 @@ Each script measures something different; what they share lives here:
   private network namespace whose loopback is shaped (`network_namespace`,
   root only), and the worker side of it (`finish_job`, `sharded_dataset`,
   `timed_fit`, `build_mlp`);
-- **private keras_dist names**: the only two the benchmarks use, in one place
-  at the end of this file.
+- **the private keras_dist module** the benchmarks use (`_backup`), in one
+  place at the end of this file.
 
 A script is `parse_args` (built on `parser`), `run(args, report)` (measures,
 prints the table, `report.write(fields)`), `plot(plt, report, path)` (draws
@@ -302,9 +302,7 @@ def table(header, rows, align: str | None = None) -> str:
     rules = ["---" if side == "l" else "---:" for side in align]
 
     def line(cells):
-        return (
-            "|" + "|".join(f" {cell} " if cell != "" else " " for cell in cells) + "|"
-        )
+        return "|" + "|".join(f" {cell} " for cell in cells) + "|"
 
     return "\n".join([line(header), line(rules), *(line(map(str, r)) for r in rows)])
 
@@ -386,6 +384,11 @@ class Report:
 
 
 # --- Processes -------------------------------------------------------------------
+
+
+def job_from(args, *names: str, **more) -> dict:
+    """A job for `run_processes`: the options `names` of `args`, and `more`."""
+    return {**{name: getattr(args, name) for name in names}, **more}
 
 
 def run_processes(
@@ -666,21 +669,14 @@ def build_mlp(keras, keras_dist, width, hidden, hook, learning_rate):
 
 
 # --- Private keras_dist names ------------------------------------------------------
-# The only private keras_dist modules the benchmarks touch; when they move,
-# repoint these two imports.
+# The only private keras_dist module the benchmarks touch; when it moves,
+# repoint this import.
 
 
 def private_backup_module():
-    """`keras_dist._backup`: `bench_backup.py` times its `read_values` and
-    `write` (the gather and the write of one save)."""
+    """`keras_dist._backup`: `bench_backup.py` times its `read_values`,
+    `write` and `remove_all` (the gather, the write and the cleanup of a
+    save) by wrapping them in this module."""
     from keras_dist import _backup
 
     return _backup
-
-
-def private_all_reduce_sum():
-    """`keras_dist.compression.base.all_reduce_sum`: the dense all-reduce
-    that `bench_sparse_gradients.py`'s densifying reference hook calls."""
-    from keras_dist.compression.base import all_reduce_sum
-
-    return all_reduce_sum

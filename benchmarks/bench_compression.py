@@ -122,15 +122,9 @@ def worker_main(job):
 
 def run_condition(args, shaped):
     """Runs both workers in a fresh namespace; returns worker 0's results."""
-    job = {
-        "hooks": args.hooks,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "batch_size": args.batch_size,
-    }
     return harness.run_processes(
         __file__,
-        job,
+        harness.job_from(args, "hooks", "steps", "warmup", "batch_size"),
         workers=2,
         namespace=True,
         rate=args.rate if shaped else None,

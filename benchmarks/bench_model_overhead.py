@@ -446,13 +446,11 @@ def run_multi_worker(args):
                 f"  launch {launch_index + 1}/{args.launches}: {name}", file=sys.stderr
             )
             root = versions_to_run[name]
-            job = {
-                "steps": args.steps,
-                "rounds": args.rounds,
-                "batch_size": args.batch_size,
-                "steps_per_execution": args.steps_per_execution,
-                "keras_dist_root": root and os.path.abspath(root),
-            }
+            job = harness.job_from(
+                args,
+                *("steps", "rounds", "batch_size", "steps_per_execution"),
+                keras_dist_root=root and os.path.abspath(root),
+            )
             launches[name].append(
                 harness.run_processes(
                     __file__, job, workers=args.workers, name="model_overhead"

@@ -212,15 +212,12 @@ def run_condition(args, name, trace):
     and worker 0's trace is read into the results' `_trace`.
     """
     condition = CONDITIONS[name]
-    job = {
-        "buckets": args.buckets,
-        "hook": args.hook,
-        "models": args.models,
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "threads": condition["threads"],
-        "trace": trace,
-    }
+    job = harness.job_from(
+        args,
+        *("buckets", "hook", "models", "steps", "rounds"),
+        threads=condition["threads"],
+        trace=trace,
+    )
     report = harness.run_processes(
         __file__,
         job,

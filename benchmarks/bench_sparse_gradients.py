@@ -57,14 +57,14 @@ def child(job):
     tf, keras, keras_dist = harness.import_stack(NUM_LOGICAL_CPUS)
     import numpy as np
 
-    all_reduce_sum = harness.private_all_reduce_sum()
+    compression = keras_dist.compression
 
-    class Densified(keras_dist.compression.NoCompression):
+    class Densified(compression.NoCompression):
         """NoCompression that densifies, as the first round's path did."""
 
         def reduce(self, gradients, variables):
             gradients, _ = self.prepare(gradients, variables)
-            return all_reduce_sum(gradients)
+            return compression.all_reduce_sum(gradients)
 
     config = job["config"]
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -101,13 +101,9 @@ def run(args, report):
     results = {name: {"seconds_per_step": [], "peak_rss_mb": []} for name in CONFIGS}
     for round_index in range(args.rounds):
         for name in harness.alternate(CONFIGS, round_index):
-            job = {
-                "config": name,
-                "vocabulary": args.vocabulary,
-                "dim": args.dim,
-                "steps": args.steps,
-                "batch_size": args.batch_size,
-            }
+            job = harness.job_from(
+                args, "vocabulary", "dim", "steps", "batch_size", config=name
+            )
             record = harness.run_processes(__file__, job, name="sparse_gradients")
             results[name]["seconds_per_step"] += record["seconds_per_step"]
             results[name]["peak_rss_mb"].append(record["peak_rss_mb"])
