@@ -673,10 +673,11 @@ def build_mlp(keras, keras_dist, width, hidden, hook, learning_rate):
 # repoint this import.
 
 
-def private_backup_module():
-    """`keras_dist._backup`: `bench_backup.py` times its `read_values`,
-    `write` and `remove_all` (the gather, the write and the cleanup of a
-    save) by wrapping them in this module."""
-    from keras_dist import _backup
+def private_backup_modules():
+    """`keras_dist.backup.transfer` and `keras_dist.backup.store`:
+    `bench_backup.py` times `transfer.read_values` (the gather) and
+    `store.write` / `store.remove_all` (the write and the cleanup of a save)
+    by wrapping them in these modules."""
+    from keras_dist.backup import store, transfer
 
-    return _backup
+    return transfer, store

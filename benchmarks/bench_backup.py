@@ -20,9 +20,9 @@ measures:
 - step time: the wall time of `fit` divided by its batches; the median over
   rounds, its ratio to the median without the callback, and the median of
   each run's ratio to the run without the callback in the same round;
-- time per save: `keras_dist._backup.read_values` (the gather of every
+- time per save: `keras_dist.backup.transfer.read_values` (the gather of every
   variable's value, per-replica ones from each replica) and
-  `keras_dist._backup.write` (state.npz and manifest.json, fsync'd, then
+  `keras_dist.backup.store.write` (state.npz and manifest.json, fsync'd, then
   `CURRENT` switched) are wrapped with `time.perf_counter()` in this
   process, and so is the callback's whole save; the backup's size is that
   of its `state.npz`.
@@ -121,16 +121,16 @@ def label(save_freq):
 class SaveTimer:
     """Times the backup path by wrapping the module functions the callback calls."""
 
-    def __init__(self, backup_module):
+    def __init__(self, transfer_module, store_module):
         self.records = []
         self.cleanup_seconds = 0.0
-        self._module = backup_module
-        self._read_values = backup_module.read_values
-        self._write = backup_module.write
-        self._remove_all = backup_module.remove_all
-        backup_module.read_values = self._timed_read_values
-        backup_module.write = self._timed_write
-        backup_module.remove_all = self._timed_remove_all
+        self._module = store_module
+        self._read_values = transfer_module.read_values
+        self._write = store_module.write
+        self._remove_all = store_module.remove_all
+        transfer_module.read_values = self._timed_read_values
+        store_module.write = self._timed_write
+        store_module.remove_all = self._timed_remove_all
 
     def _timed_read_values(self, *args, **kwargs):
         start = time.perf_counter()
@@ -445,7 +445,7 @@ def run(args, report):
     tf, keras, keras_dist = harness.import_stack(NUM_LOGICAL_CPUS)
     import numpy as np
 
-    timer = SaveTimer(harness.private_backup_module())
+    timer = SaveTimer(*harness.private_backup_modules())
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     strategy = tf.distribute.MirroredStrategy(devices)
     results = {}

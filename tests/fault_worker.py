@@ -29,7 +29,7 @@ import keras
 import numpy as np
 
 import keras_dist
-from keras_dist import _backup
+from keras_dist.backup import store as _backup
 from keras_dist.compression import FP16, PowerSGD
 
 FEATURES = 16

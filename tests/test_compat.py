@@ -13,6 +13,8 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.trainer import Trainer
 
+import keras_dist
+from keras_dist import state
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
 
@@ -206,9 +208,10 @@ class _SeesFit(keras.callbacks.Callback):
         self.seen = []
 
     def on_train_begin(self, logs=None):
-        self.iterator = _compat.fit_epoch_iterator(self.model)
+        self.iterator = state.session(self.model).epoch_iterator
         assert self.iterator is not None, (
-            "Keras's fit no longer has a local `epoch_iterator` "
+            "Keras's fit no longer hands its epoch iterator to "
+            "`_maybe_symbolic_build(iterator=...)` first "
             "(keras/src/backend/tensorflow/trainer.py): BackupAndRestore cannot "
             "resume inside an epoch."
         )
@@ -220,8 +223,10 @@ class _SeesFit(keras.callbacks.Callback):
         self.seen.append(("fresh", _compat.next_epoch_starts_fresh(self.iterator)))
 
 
-def _tiny_model():
+def _tiny_model(distributed=True):
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    if distributed:
+        model = keras_dist.DistributedModel.from_model(model)
     model.compile(optimizer="sgd", loss="mse")
     return model
 
@@ -237,7 +242,10 @@ def test_fit_epoch_iterator_counts_batches_and_knows_fresh_epochs():
     _tiny_model().fit(stream, steps_per_epoch=2, epochs=2, callbacks=[seer], verbose=0)
     # One stream: the count goes on, the next epoch reads on.
     assert seer.seen == [1, 2, ("fresh", False), 3, 4, ("fresh", False)]
-    assert _compat.fit_epoch_iterator(_tiny_model()) is None
+    # A plain keras.Model hands its iterator to no one.
+    plain = _tiny_model(distributed=False)
+    plain.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert state.session(plain).epoch_iterator is None
     _compat.set_epoch_iterator_position(seer.iterator, 7)
     assert seer.iterator._steps_seen == 7
 
@@ -269,11 +277,13 @@ def test_build_from_epoch_iterator_builds_metrics_and_keeps_every_batch():
         def on_train_begin(self, logs=None):
             assert not self.model._compile_metrics.built
             _compat.build_from_epoch_iterator(
-                self.model, _compat.fit_epoch_iterator(self.model)
+                self.model, state.session(self.model).epoch_iterator
             )
             self.built = self.model._compile_metrics.built
 
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model = keras_dist.DistributedModel.from_model(
+        keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    )
     model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     build = Build()
     history = model.fit(

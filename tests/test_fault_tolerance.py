@@ -28,7 +28,7 @@ import tensorflow as tf
 from helpers import REPO_ROOT
 
 import keras_dist
-from keras_dist import _backup
+from keras_dist.backup import store as _backup
 from keras_dist.callbacks import BackupAndRestore
 from keras_dist.compression import FP16, PowerSGD
 

@@ -11,8 +11,8 @@ import tensorflow as tf
 from tensorflow.python.distribute import parameter_server_strategy
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
-from keras_dist import models
 from keras_dist._compat import keras_src as _compat
+from keras_dist.trainer import steps
 
 
 def _op_types(function, *args):
@@ -53,6 +53,42 @@ def test_traced_with_the_fix_keras_assign_add_and_sub_are_atomic():
     )
 
 
+def test_the_fix_acts_only_in_the_tracing_thread():
+    # A plain Keras model traced in another thread while a parameter-server
+    # step traces keeps Keras's read-then-write `assign_add`.
+    import threading
+
+    ps_variable = keras.Variable(0.0)
+    plain_variable = keras.Variable(0.0)
+    inside, traced = threading.Event(), threading.Event()
+    seen = {}
+
+    @tf.function
+    def ps_step():
+        with _compat.parameter_server_tracing():
+            ps_variable.assign_add(1.0)
+            inside.set()
+            # Stay inside while the other thread traces.
+            assert traced.wait(60)
+
+    @tf.function
+    def plain_step():
+        plain_variable.assign_add(1.0)
+
+    def trace_plain():
+        assert inside.wait(60)
+        seen["plain"] = _op_types(plain_step)
+        traced.set()
+
+    other = threading.Thread(target=trace_plain)
+    other.start()
+    seen["ps"] = _op_types(ps_step)
+    other.join(60)
+    assert "AssignAddVariableOp" in seen["ps"]
+    assert "AssignAddVariableOp" not in seen["plain"]
+    assert keras.Variable.assign_add is _compat._keras_assign_add
+
+
 def test_the_fix_keeps_stateless_scopes_and_integer_variables():
     counter = keras.Variable(0, dtype="int64", trainable=False)
     with _compat.parameter_server_tracing():
@@ -84,12 +120,12 @@ def test_shards_are_found_and_their_gradients_joined():
         dense_loss = tf.reduce_sum(tf.concat(shards, 0) ** 3)
         full_sparse = tf.reduce_sum(tf.gather(full, ids) ** 2)
         full_dense = tf.reduce_sum(full**3)
-    joined = models._join_shard_gradients(tape.gradient(sparse_loss, shards), shards)
+    joined = steps._join_shard_gradients(tape.gradient(sparse_loss, shards), shards)
     assert isinstance(joined, tf.IndexedSlices)
     np.testing.assert_allclose(
         tf.convert_to_tensor(joined),
         tf.convert_to_tensor(tape.gradient(full_sparse, full)),
     )
-    joined = models._join_shard_gradients(tape.gradient(dense_loss, shards), shards)
+    joined = steps._join_shard_gradients(tape.gradient(dense_loss, shards), shards)
     np.testing.assert_allclose(joined, tape.gradient(full_dense, full))
-    assert models._join_shard_gradients([None, None], shards) is None
+    assert steps._join_shard_gradients([None, None], shards) is None

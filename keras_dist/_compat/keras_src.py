@@ -316,36 +316,11 @@ def bind_fit_arguments(model, args, kwargs) -> dict:
 # `_steps_seen`), whether the next epoch gets a fresh iterator, and it must
 # set that count back after a restart so Keras re-creates its iterator at
 # the same batch as before. The epoch iterator is a local of
-# `keras/src/backend/tensorflow/trainer.py`'s `fit`; Keras has no public
-# access to it (stock `BackupAndRestore` resumes at the epoch only, and sets
-# the private `_initial_epoch` for it).
-
-_EPOCH_ITERATOR_LOCAL = "epoch_iterator"
-
-
-def fit_epoch_iterator(model):
-    """Returns the `EpochIterator` of the `fit` of `model` that is running.
-
-    Called from a callback's `on_train_begin`: looks up the call stack for
-    Keras's `fit` frame of this model. Returns `None` when there is none
-    (the callback was called by hand).
-    """
-    from keras.src.trainers.epoch_iterator import EpochIterator
-
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            candidate = frame.f_locals.get(_EPOCH_ITERATOR_LOCAL)
-            if (
-                isinstance(candidate, EpochIterator)
-                and frame.f_code.co_name == "fit"
-                and frame.f_locals.get("self") is model
-            ):
-                return candidate
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
+# `keras/src/backend/tensorflow/trainer.py`'s `fit`, which hands it to the
+# model's `_maybe_symbolic_build(iterator=...)` first: `DistributedModel`
+# records it there (`keras_dist/trainer/fit.py`). Keras has no public access
+# to it (stock `BackupAndRestore` resumes at the epoch only, and sets the
+# private `_initial_epoch` for it).
 
 
 def epoch_iterator_position(epoch_iterator) -> int:
@@ -501,26 +476,56 @@ def _update_sharded_too(self, var, fn, args, kwargs, group):
     return tf.nest.map_structure(self._local_results, result)
 
 
+# Which threads are tracing a parameter-server step (a count per thread), and
+# how many are in all: the replacements below are installed while any thread
+# traces one, and act only for the threads that do.
+_tracing = threading.local()
+_tracing_threads = [0]
+
+
+def _for_tracing_threads(replacement, original):
+    def method(self, *args, **kwargs):
+        if getattr(_tracing, "depth", 0):
+            return replacement(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    return method
+
+
 @contextlib.contextmanager
 def parameter_server_tracing():
     """Traces parameter-server step functions with the two fixes above.
 
     Keras variables' `assign_add`/`assign_sub` become single atomic ops, and
-    partitioned variables can be updated. Used only around the tracing of
-    those functions, on the coordinator's main thread; the traced graph
+    partitioned variables can be updated, **in this thread only**: another
+    thread tracing a plain Keras model at the same time gets Keras's own
+    methods. Used around the tracing of those functions; the traced graph
     keeps the ops.
     """
     with _patch_lock:
-        _KerasVariable.assign_add = _atomic_assign_add
-        _KerasVariable.assign_sub = _atomic_assign_sub
-        _PSExtended._update = _update_sharded_too
+        if _tracing_threads[0] == 0:
+            _KerasVariable.assign_add = _for_tracing_threads(
+                _atomic_assign_add, _keras_assign_add
+            )
+            _KerasVariable.assign_sub = _for_tracing_threads(
+                _atomic_assign_sub, _keras_assign_sub
+            )
+            _PSExtended._update = _for_tracing_threads(_update_sharded_too, _ps_update)
+        depth = getattr(_tracing, "depth", 0)
+        if depth == 0:
+            _tracing_threads[0] += 1
+        _tracing.depth = depth + 1
     try:
         yield
     finally:
         with _patch_lock:
-            _KerasVariable.assign_add = _keras_assign_add
-            _KerasVariable.assign_sub = _keras_assign_sub
-            _PSExtended._update = _ps_update
+            _tracing.depth -= 1
+            if _tracing.depth == 0:
+                _tracing_threads[0] -= 1
+            if _tracing_threads[0] == 0:
+                _KerasVariable.assign_add = _keras_assign_add
+                _KerasVariable.assign_sub = _keras_assign_sub
+                _PSExtended._update = _ps_update
 
 
 def parameter_server_workers(strategy) -> int:

@@ -13,12 +13,14 @@ strategy's `tf.distribute.coordinator.ClusterCoordinator`, as tf_keras did:
   epoch's logs cover every worker's steps. Keras 3 updates variables by a
   read and a write (updates from two workers at once would be lost), so the
   step functions are traced with atomic updates
-  (`_compat.parameter_server_tracing`).
+  (`keras_src.parameter_server_tracing`, in effect for the tracing thread
+  only).
 - **Evaluation and prediction** are exact: the coordinator reads the data
   and schedules one call per batch, with the batch as its argument; each
   batch is evaluated once, and predictions come back in input order.
 
-Private: use it through `DistributedModel`.
+Private: use it through `DistributedModel`. Serving a `worker` or `ps`
+task is `keras_dist.parameter_server.serving`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import contextlib
 import logging
 import math
 import re
+import weakref
 
 import keras
 import numpy as np
@@ -99,9 +102,12 @@ def lost_ps_task_named():
 
 
 def check_model(model, callbacks) -> None:
-    """Refuses what has no meaning under parameter servers, naming the fix."""
-    from keras_dist import callbacks as callbacks_lib
+    """Refuses what has no meaning under parameter servers, naming the fix.
 
+    A callback that cannot work here says why in its class attribute
+    `parameter_server_refusal` (keras_dist's `AutoScaleBatch` and
+    `BackupAndRestore` do); Keras's own `BackupAndRestore` is refused too.
+    """
     if model.optimizer is None:
         raise RuntimeError(
             "The model must be compiled before `fit`/`evaluate`: call "
@@ -128,24 +134,18 @@ def check_model(model, callbacks) -> None:
             "MultiWorkerMirroredStrategy for a synchronous big batch."
         )
     for callback in callbacks or ():
-        if isinstance(callback, callbacks_lib.AutoScaleBatch):
-            raise ValueError(
-                "AutoScaleBatch does not work under ParameterServerStrategy: "
-                "it measures the gradient noise scale from the all-reduce, "
-                "and parameter-server workers do not all-reduce. Remove it "
-                "from `callbacks`, or train with MultiWorkerMirroredStrategy."
+        reason = getattr(callback, "parameter_server_refusal", None)
+        if reason is None and isinstance(callback, keras.callbacks.BackupAndRestore):
+            reason = (
+                "its resume point is a synchronous step, and parameter-server "
+                "steps are asynchronous. To survive a failed chief, save with "
+                "`keras.callbacks.ModelCheckpoint` or `tf.train.Checkpoint` "
+                "from the chief and load at start."
             )
-        if isinstance(
-            callback, (callbacks_lib.BackupAndRestore, keras.callbacks.BackupAndRestore)
-        ):
+        if reason is not None:
             raise ValueError(
                 f"{type(callback).__module__}.{type(callback).__name__} does "
-                "not work under ParameterServerStrategy (its resume point is "
-                "a synchronous step, and parameter-server steps are "
-                "asynchronous). A worker that fails is retried by the "
-                "coordinator without it; to survive a failed chief, save "
-                "with `keras.callbacks.ModelCheckpoint` or "
-                "`tf.train.Checkpoint` from the chief and load at start."
+                f"not work under ParameterServerStrategy: {reason}"
             )
 
 
@@ -310,9 +310,14 @@ def _step_logs(model, strategy, outputs):
     return logs
 
 
+# Model -> {"train" | "test" | "predict": traced step function}.
+_FUNCTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _train_function(model, strategy):
-    if getattr(model, "_keras_dist_ps_train", None) is not None:
-        return model._keras_dist_ps_train
+    functions = _FUNCTIONS.setdefault(model, {})
+    if functions.get("train") is not None:
+        return functions["train"]
 
     def train_chunk(iterator, num_steps):
         with _compat.parameter_server_tracing():
@@ -322,14 +327,14 @@ def _train_function(model, strategy):
             return _step_logs(model, strategy, outputs)
 
     function = tf.function(train_chunk)
-    _compat.set_untracked_attribute(model, "_keras_dist_ps_train", function)
+    functions["train"] = function
     return function
 
 
 def _batch_function(model, strategy, step, name):
-    attribute = f"_keras_dist_ps_{name}"
-    if getattr(model, attribute, None) is not None:
-        return getattr(model, attribute)
+    functions = _FUNCTIONS.setdefault(model, {})
+    if functions.get(name) is not None:
+        return functions[name]
 
     def on_batch(data):
         with _compat.parameter_server_tracing():
@@ -341,14 +346,13 @@ def _batch_function(model, strategy, step, name):
             return _step_logs(model, strategy, outputs)
 
     function = tf.function(on_batch, reduce_retracing=True)
-    _compat.set_untracked_attribute(model, attribute, function)
+    functions[name] = function
     return function
 
 
 def reset_functions(model) -> None:
     """Forgets the traced step functions (after `compile` or a new hook)."""
-    for name in ("train", "test", "predict"):
-        _compat.set_untracked_attribute(model, f"_keras_dist_ps_{name}", None)
+    _FUNCTIONS.pop(model, None)
 
 
 def _to_floats(logs) -> dict:

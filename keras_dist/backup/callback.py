@@ -1,0 +1,562 @@
+"""`BackupAndRestore`: back up the whole training state; resume exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import weakref
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_dist import state
+from keras_dist._compat import keras_src as _compat
+from keras_dist._validation import check_bool, check_int
+from keras_dist.backup import manifest as manifest_lib
+from keras_dist.backup import store, transfer
+from keras_dist.core import collectives
+from keras_dist.launcher.process import EXIT_PREEMPTED
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Resume:
+    """A backup `fit` resumes from: its folder, manifest and values.
+
+    Attributes:
+        path: String. The backup's folder.
+        manifest: Dict. Its manifest.
+        values: List of arrays. Its variable values.
+        restored: Bool. Whether the values were assigned (at the first batch).
+    """
+
+    path: str
+    manifest: dict
+    values: list
+    restored: bool = False
+
+    @property
+    def epoch(self) -> int:
+        """The epoch to resume in."""
+        return self.manifest["epoch"]
+
+    @property
+    def calls(self) -> int:
+        """Calls of the train function already done in that epoch (each runs
+        `steps_per_execution` batches): `fit` calls the callbacks for them
+        again, but the train function only returns the backup's logs."""
+        return self.manifest["calls"]
+
+    @property
+    def position(self) -> int:
+        """Batches the input iterator had handed out when the backup was
+        written; a fresh iterator skips as many."""
+        return self.manifest["position"]
+
+    @property
+    def logs(self) -> dict:
+        """The logs of the last step before the backup."""
+        return self.manifest["logs"]
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up the whole training state; after a failure, `fit` resumes exactly.
+
+    Pass it to `fit` with the same `backup_dir` on every run of the job (on
+    every worker). When `fit` starts and `backup_dir` holds a backup, the
+    training state is restored from it and `fit` goes on at the epoch *and
+    step* where the backup was written: the batches the interrupted run had
+    already consumed in that epoch are skipped, so with a deterministic
+    input pipeline the resumed run sees the same batches and ends with the
+    same weights as a run that was never interrupted.
+
+    What a backup holds: the model's variables, the optimizer's (slots,
+    `iterations`, and a `GradientAccumulationOptimizer`'s accumulated
+    gradients and pending micro-steps), the all-reduce hook's state (error
+    feedback, PowerSGD factors, TopK residuals), `AutoScaleBatch`'s state
+    (effective batch, learning-rate scaling, noise-scale averages), the
+    metrics' running sums, the epoch, the step and the input position.
+    State that each replica keeps for itself is saved per replica (gathered
+    from every worker with one all-gather), and each replica gets its own
+    copy back.
+
+    Under several workers only the chief (worker 0 when there is no chief)
+    writes `backup_dir`; the other workers write nothing. Every worker reads
+    the backup when `fit` starts, so `backup_dir` must be on storage that
+    every worker can read (a shared file system, a volume mounted on every
+    pod). The workers check that they all found the same backup.
+
+    A backup is written beside the previous one and becomes current only
+    when complete (an atomic rename), so a process killed during a save
+    leaves the previous backup usable; an unreadable newest backup falls
+    back to the previous one with a warning. A backup written by another
+    model, optimizer or hook, or by another number of workers or replicas,
+    is a `ValueError`; so is a directory that holds backups of which none is
+    usable: `fit` never starts over silently.
+
+    Preemption: `SIGTERM` to any worker while `fit` runs makes every worker
+    write a backup at the next step boundary (the workers agree on it with a
+    one-number all-reduce per step) and exit with status 75
+    (`keras_dist.callbacks.EXIT_PREEMPTED`), which `keras-dist launch
+    --max-restarts` restarts; the resumed run loses at most the step in
+    flight.
+
+    Which input pipelines resume exactly:
+
+    - data read whole every epoch (no `steps_per_epoch`): a `tf.data`
+      pipeline without shuffling or with `shuffle(..., seed=...,
+      reshuffle_each_iteration=False)`, or NumPy arrays with `shuffle=False`;
+    - one endless stream with `steps_per_epoch`: `dataset.shuffle(n,
+      seed=...).repeat()` reshuffles every epoch and still resumes exactly
+      (the resumed run re-reads the stream from its start and skips what was
+      consumed), with a `DistributedModel`. Its `fit` tells this callback
+      where the input stands; a plain `keras.Model` tells no callback, so
+      with one the resumed run counts the batches of the epoch only, and a
+      stream that carries over epochs restarts from its beginning. A plain
+      `keras.Model` without a strategy scope builds its metrics in the
+      first step, after the restore: wrap it with
+      `DistributedModel.from_model` to resume it.
+
+    Pipelines that are random in a way a new process cannot replay (NumPy
+    arrays with `fit(shuffle=True)`, an unseeded `shuffle`, a seeded one
+    with `reshuffle_each_iteration=True` read anew every epoch) resume at
+    the right step and state, but the rest of that epoch sees other batches
+    than the interrupted run would have.
+
+    Order: list this callback first in `callbacks` when training a plain
+    `keras.Model` (`DistributedModel.fit` puts it first itself), so that the
+    state is restored before other callbacks read it. For the batches that
+    are skipped, callbacks still get `on_train_batch_begin` and
+    `on_train_batch_end`, with the logs of the backup.
+
+    Args:
+        backup_dir: String or path. Where the backups are written. The
+            folder is created if needed.
+        save_freq: `"epoch"` or int >= 1. `"epoch"` writes a backup at the
+            end of every epoch; an int, after every that many batches.
+            Defaults to `"epoch"`.
+        delete_checkpoint: Bool. Whether to delete the backups when `fit`
+            ends normally. Defaults to `True`.
+
+    Raises:
+        TypeError: `backup_dir` is not a string or path, `save_freq` not an
+            int, or `delete_checkpoint` not a bool.
+        ValueError: `backup_dir` is empty, or `save_freq` is neither
+            `"epoch"` nor >= 1.
+
+    Example:
+
+    ```python
+    import keras
+    import numpy as np
+    import keras_dist
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    model = keras_dist.DistributedModel.from_model(
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    backup = keras_dist.callbacks.BackupAndRestore("/tmp/kd_backup", save_freq=2)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, callbacks=[backup])
+    ```
+    """
+
+    restores_training_state = True
+    """`DistributedModel.fit` runs such a callback first (see "Order")."""
+
+    parameter_server_refusal = (
+        "its resume point is a synchronous step, and parameter-server steps "
+        "are asynchronous. A worker that fails is retried by the coordinator "
+        "without it; to survive a failed chief, save with "
+        "`keras.callbacks.ModelCheckpoint` or `tf.train.Checkpoint` from the "
+        "chief and load at start."
+    )
+    """Why `fit` under parameter servers refuses this callback."""
+
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+        super().__init__()
+        if not isinstance(backup_dir, (str, os.PathLike)):
+            raise TypeError(
+                "`backup_dir` must be a string or a path. Received: "
+                f"backup_dir={backup_dir!r} of type {type(backup_dir).__name__}."
+            )
+        backup_dir = os.fspath(backup_dir)
+        if not backup_dir:
+            raise ValueError(
+                "`backup_dir` must name a folder. Received: backup_dir=''. Pass "
+                "the folder where the backups go, e.g. '/shared/run1/backup'."
+            )
+        self.backup_dir = backup_dir
+        if save_freq != "epoch":
+            save_freq = check_int(
+                "save_freq", save_freq, minimum=1, hint='Or pass save_freq="epoch".'
+            )
+        self.save_freq = save_freq
+        self.delete_checkpoint = check_bool("delete_checkpoint", delete_checkpoint)
+        self._resume: _Resume | None = None
+        self._epoch_iterator = None
+        self._strategy = None
+        self._epoch = 0
+        self._batch_begin = 0
+        self._batches_since_save = 0
+        self._preempted = False
+        self._previous_sigterm = None
+        self._in_fit = False
+        self._train_function = None
+        self._pending = None
+
+    # --- fit hooks -------------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        model = self.model
+        self._strategy = model.distribute_strategy
+        self._fit = state.session(model)
+        # The input iterator `DistributedModel.fit` created; a plain
+        # `keras.Model` hands none to callbacks (see "Which input pipelines
+        # resume exactly" above).
+        self._epoch_iterator = self._fit.epoch_iterator
+        self._in_fit = True
+        self._epoch = 0
+        self._batches_since_save = 0
+        self._preempted = False
+        self._resume = None
+        self._train_function = None
+        self._pending = None
+        found = store.read_latest(self.backup_dir)
+        if found is not None:
+            path, manifest, values = found
+            if manifest["steps_per_execution"] != model.steps_per_execution:
+                raise store.BackupError(
+                    f"The backup in {path} was written with steps_per_execution="
+                    f"{manifest['steps_per_execution']}; this model has "
+                    f"steps_per_execution={model.steps_per_execution}. Compile "
+                    "with the same value to resume."
+                )
+            self._resume = _Resume(path=path, manifest=manifest, values=values)
+            _compat.set_initial_epoch(model, self._resume.epoch)
+            self._fit.replay_epoch = self._resume.epoch
+            self._fit.replay_batches = self._resume.calls * self._spx
+            # What the backup holds must exist before the first step.
+            if self._epoch_iterator is not None:
+                _compat.build_from_epoch_iterator(model, self._epoch_iterator)
+        else:
+            _compat.set_initial_epoch(model, None)
+            self._fit.replay_epoch = None
+        self._install_sigterm_handler()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._flush()
+        self._batch_begin = batch
+        resume = self._resume
+        if resume is not None and not resume.restored:
+            # Restored here, after every callback's `on_train_begin` (state
+            # they create, such as AutoScaleBatch's gradient statistics, is
+            # in the backup too) and after `fit` reset the metrics.
+            self._restore(resume)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._fit.is_replayed(batch):
+            return
+        self._batches_since_save += max(1, batch - self._batch_begin + 1)
+        calls = batch // self._spx + 1
+        if self._agree_on_preemption():
+            self._request_save(self._epoch, calls, logs, preempted=batch)
+        elif self.save_freq != "epoch" and self._batches_since_save >= self.save_freq:
+            self._request_save(self._epoch, calls, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._flush()
+        self._fit.replay_epoch = None
+        if self._train_function is not None:
+            # A backup written at the end of the epoch: every call of it was
+            # replayed; the next epoch trains with the real function.
+            self.model.train_function = self._train_function
+            self._train_function = None
+        if self.save_freq == "epoch":
+            # Written now, before the next epoch starts. The metrics' sums
+            # of this epoch are not restored into the next (see `_restore`),
+            # and AutoScaleBatch realigns with the optimizer on restore.
+            self._request_save(epoch + 1, 0, logs)
+            self._flush()
+
+    def on_train_end(self, logs=None):
+        if self._pending is not None and (
+            self._pending["preempted"] is not None or not self.delete_checkpoint
+        ):
+            self._flush()
+        self._pending = None
+        self._end_fit()
+        if self.delete_checkpoint and self._is_chief():
+            store.remove_all(self.backup_dir)
+
+    # --- Saving and restoring --------------------------------------------------------
+
+    @property
+    def _spx(self) -> int:
+        return int(self.model.steps_per_execution)
+
+    def _is_chief(self) -> bool:
+        return bool(self._strategy.extended.should_checkpoint)
+
+    def _request_save(self, epoch, calls, logs, preempted=None):
+        """Notes a backup of the state after this batch (or epoch).
+
+        It is written at the next callback hook of `fit`, once every other
+        callback has seen this batch: their state (AutoScaleBatch's
+        counters and decisions) must be that of the end of the batch.
+        """
+        self._batches_since_save = 0
+        if self._epoch_iterator is None:
+            # A plain `keras.Model`: the batches of this epoch (a fresh input
+            # iterator every epoch, as without `steps_per_epoch`).
+            position = calls * self._spx
+        elif calls == 0 and _compat.next_epoch_starts_fresh(self._epoch_iterator):
+            position = 0
+        else:
+            position = _compat.epoch_iterator_position(self._epoch_iterator)
+        self._pending = {
+            "epoch": int(epoch),
+            "calls": int(calls),
+            "position": int(position),
+            "logs": _float_logs(logs),
+            "preempted": preempted,
+        }
+
+    def _flush(self):
+        """Writes the backup `_request_save` noted; exits when preempted."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        preempted = pending.pop("preempted")
+        self._save(**pending)
+        if preempted is not None:
+            logger.warning(
+                "BackupAndRestore: preempted (SIGTERM); backup written at epoch "
+                "%d, batch %d. Exiting with status %d for a restart.",
+                pending["epoch"],
+                preempted,
+                EXIT_PREEMPTED,
+            )
+            self._restore_sigterm_handler()
+            raise SystemExit(EXIT_PREEMPTED)
+
+    def _save(self, epoch, calls, position, logs):
+        """Writes a backup (chief) after gathering per-replica state (all)."""
+        model = self.model
+        inventory = state.training_state(model)
+        values = transfer.read_values(inventory, self._strategy)
+        if not self._is_chief():
+            return
+        replicas = self._strategy.num_replicas_in_sync
+        manifest = {
+            "format": store.FORMAT,
+            "version": store.FORMAT_VERSION,
+            "keras_dist": _version(),
+            "epoch": int(epoch),
+            "calls": int(calls),
+            "position": int(position),
+            "steps_per_execution": self._spx,
+            "replicas": replicas,
+            "workers": transfer.count_workers(self._strategy),
+            "logs": logs,
+            "callbacks": inventory.provider_states(),
+            "variables": manifest_lib.describe(inventory, values),
+        }
+        name = store.write(self.backup_dir, values, manifest)
+        logger.info(
+            "BackupAndRestore: wrote %s (epoch %d, %d calls into it).",
+            os.path.join(self.backup_dir, name),
+            epoch,
+            calls,
+        )
+
+    def _restore(self, resume: _Resume):
+        model = self.model
+        _build_training_state(model)
+        inventory = state.training_state(model)
+        manifest_lib.check_compatible(
+            resume.manifest, inventory, self._strategy, resume.path
+        )
+        _check_same_backup_everywhere(self._strategy, resume)
+        values = resume.values
+        if resume.calls == 0:
+            # Resumed at the start of an epoch: `fit` has just reset the
+            # metrics; the backup's sums belong to the epoch before.
+            values = [
+                None if entry.group == "metrics" else value
+                for entry, value in zip(inventory, values)
+            ]
+        transfer.assign_values(inventory, values, self._strategy)
+        _restore_provider_states(
+            inventory.providers, resume.manifest.get("callbacks", {})
+        )
+        resume.restored = True
+        logger.warning(
+            "BackupAndRestore: resumed from %s at epoch %d, after %d batches of it.",
+            resume.path,
+            resume.epoch,
+            resume.calls * self._spx,
+        )
+        if resume.calls or resume.position:
+            self._train_function = model.train_function
+            model.train_function = _replaying_train_function(
+                model, model.train_function, resume, self._epoch_iterator, self._spx
+            )
+
+    # --- Preemption -------------------------------------------------------------
+
+    def _install_sigterm_handler(self):
+        if threading.current_thread() is not threading.main_thread():
+            return
+        callback = weakref.ref(self)
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            owner = callback()
+            if owner is not None and owner._in_fit:
+                owner._preempted = True
+                return
+            # Not training any more: behave as before.
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        self._previous_sigterm = (previous,)
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _restore_sigterm_handler(self):
+        if self._previous_sigterm is not None:
+            (previous,) = self._previous_sigterm
+            self._previous_sigterm = None
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+
+    def _end_fit(self):
+        self._in_fit = False
+        self._restore_sigterm_handler()
+        state.session(self.model).replay_epoch = None
+        _compat.set_initial_epoch(self.model, None)
+
+    def _agree_on_preemption(self) -> bool:
+        """Whether any worker received SIGTERM (a collective on several workers)."""
+        if transfer.count_workers(self._strategy) == 1:
+            return self._preempted
+        flag = 1.0 if self._preempted else 0.0
+        value = self._strategy.experimental_distribute_values_from_function(
+            lambda context: tf.constant(flag)
+        )
+        total = collectives.reduce_across(self._strategy, value)
+        return float(total) > 0
+
+
+def _build_training_state(model) -> None:
+    """Creates the optimizer's and the hook's variables, if not yet there.
+
+    Without a strategy they appear only in the first trace of the train
+    step, after the first batch's `on_train_batch_begin`, where a backup is
+    restored. A `DistributedModel` builds its hook too
+    (`build_all_reduce_hook`).
+    """
+    build = getattr(model, "build_all_reduce_hook", None)
+    if build is not None:
+        build()
+        return
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:
+        with model.distribute_strategy.scope():
+            optimizer.build(model.trainable_variables)
+
+
+def _version() -> str:
+    from keras_dist import __version__
+
+    return __version__
+
+
+def _float_logs(logs) -> dict:
+    result = {}
+    for key, value in (logs or {}).items():
+        try:
+            result[key] = float(keras.ops.convert_to_numpy(value))
+        except (TypeError, ValueError):
+            continue
+    return result
+
+
+def _restore_provider_states(providers: dict, states: dict) -> None:
+    for name, saved in states.items():
+        provider = providers.get(name)
+        if provider is None:
+            raise store.BackupError(
+                f"The backup holds the state of {name}, but this fit has no "
+                f"{name} callback. Pass the same callbacks to resume exactly."
+            )
+        provider.restore_backup_state(saved)
+    for name in providers:
+        if name not in states:
+            raise store.BackupError(
+                f"This fit has a {name} callback, but the backup holds no state "
+                "of one. Pass the same callbacks as the run that wrote it."
+            )
+
+
+def _check_same_backup_everywhere(strategy, resume: _Resume) -> None:
+    """Every worker must resume from the same backup (a shared folder)."""
+    if transfer.count_workers(strategy) == 1:
+        return
+    digest = int(resume.manifest["sha256"][:12], 16)
+    mine = np.array([digest, resume.epoch, resume.calls], dtype=np.int64)
+    _, local = transfer.worker_layout(strategy)
+    gathered = transfer.gather_per_replica([[mine] * local], strategy)[0]
+    if not (gathered == gathered[0]).all():
+        raise store.BackupError(
+            "The workers found different backups in `backup_dir` (is it on "
+            "storage every worker reads? a folder local to each machine is "
+            f"not). Per replica (sha256 prefix, epoch, calls): {gathered.tolist()}."
+        )
+
+
+def _replaying_train_function(model, train_function, resume, epoch_iterator, spx):
+    """The train function for the resumed epoch's already-trained batches.
+
+    Its first call reads the `resume.position` batches the interrupted run
+    had consumed from the input iterator; its first `resume.calls` calls
+    return the backup's logs without training; the next one trains and puts
+    `train_function` back.
+    """
+    state = {"skip": resume.position, "call": 0}
+
+    def replay(iterator):
+        if state["skip"]:
+            try:
+                for _ in range(state["skip"]):
+                    iterator.get_next()
+            except tf.errors.OutOfRangeError as error:
+                raise store.BackupError(
+                    f"The backup in {resume.path} was written after "
+                    f"{resume.position} batches of the input, but the input "
+                    "ran out before that: resume with the same data and "
+                    "batch size."
+                ) from error
+            state["skip"] = 0
+        call = state["call"]
+        state["call"] += 1
+        # What Keras's epoch iterator counted at this call in the first run,
+        # so that it re-creates its input iterator at the same batch.
+        _compat.set_epoch_iterator_position(
+            epoch_iterator, resume.position + (call + 1 - resume.calls) * spx
+        )
+        if call < resume.calls:
+            return dict(resume.logs)
+        model.train_function = train_function
+        return train_function(iterator)
+
+    return replay

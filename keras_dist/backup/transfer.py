@@ -1,0 +1,119 @@
+"""Moving a `StateInventory`'s values between the replicas and NumPy arrays.
+
+Variables that every replica holds alike (mirrored) are read once.
+Variables that each replica keeps for itself (per replica: accumulators,
+residuals, metric sums) are read per replica: on several workers their
+local copies are gathered to every worker with one all-gather, so the chief
+alone can write the backup, and each replica gets its own copy back on
+restore. Restoring them as a sum split in equal shares (what a Keras
+checkpoint does) would change every compressed all-reduce after the
+restart.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from keras_dist.core import collectives
+
+
+def local_replicas(strategy) -> int:
+    """Replicas of `strategy` in this process (1 for the default strategy)."""
+    try:
+        return len(strategy.extended.worker_devices)
+    except RuntimeError:
+        # The default strategy has no `worker_devices`: one replica.
+        return 1
+
+
+def count_workers(strategy) -> int:
+    """Worker processes of `strategy` (1 unless multi-worker)."""
+    return strategy.num_replicas_in_sync // local_replicas(strategy)
+
+
+def worker_layout(strategy) -> tuple[int, int]:
+    """Returns (first global replica id of this worker, local replicas)."""
+    local = local_replicas(strategy)
+    resolver = getattr(strategy, "cluster_resolver", None)
+    task_id = getattr(resolver, "task_id", None) or 0
+    if strategy.num_replicas_in_sync == local:
+        return 0, local
+    return int(task_id) * local, local
+
+
+def read_values(inventory, strategy) -> list[np.ndarray]:
+    """Returns each entry's value; per-replica entries as `[replicas, ...]`.
+
+    On several workers this is a collective (one all-gather): every worker
+    must call it at the same point.
+    """
+    values: list[np.ndarray | None] = [None] * len(inventory)
+    local_parts = []  # (index, [array per local replica])
+    for index, entry in enumerate(inventory):
+        if entry.per_replica:
+            components = strategy.experimental_local_results(entry.variable)
+            local_parts.append((index, [np.asarray(c.numpy()) for c in components]))
+        else:
+            values[index] = np.asarray(entry.variable.numpy())
+    if local_parts:
+        for index, stacked in zip(
+            (i for i, _ in local_parts),
+            gather_per_replica([p for _, p in local_parts], strategy),
+        ):
+            values[index] = stacked
+    return values
+
+
+def gather_per_replica(parts: list[list[np.ndarray]], strategy) -> list[np.ndarray]:
+    """All-gathers per-replica arrays: returns one `[replicas, ...]` each."""
+    replicas = strategy.num_replicas_in_sync
+    base, local = worker_layout(strategy)
+    if replicas == local:
+        return [np.stack(arrays) for arrays in parts]
+    # One collective for everything: each replica's arrays as bytes, padded
+    # to whole float64 words (a gather moves bits; it does no arithmetic).
+    buffers = [b"".join(arrays[j].tobytes() for arrays in parts) for j in range(local)]
+    size = len(buffers[0])
+    words = -(-size // 8)
+    local_words = [
+        np.frombuffer(buffer + b"\0" * (words * 8 - size), dtype=np.float64)
+        for buffer in buffers
+    ]
+
+    def value_fn(context):
+        return tf.constant(local_words[context.replica_id_in_sync_group - base])[None]
+
+    distributed = strategy.experimental_distribute_values_from_function(value_fn)
+    gathered = collectives.gather_across(strategy, distributed).numpy()
+    result = [[] for _ in parts]
+    for replica in range(replicas):
+        raw = gathered[replica].tobytes()[:size]
+        offset = 0
+        for k, arrays in enumerate(parts):
+            reference = arrays[0]
+            length = reference.nbytes
+            result[k].append(
+                np.frombuffer(raw[offset : offset + length], dtype=reference.dtype)
+                .reshape(reference.shape)
+                .copy()
+            )
+            offset += length
+    return [np.stack(arrays) for arrays in result]
+
+
+def assign_values(inventory, values: list, strategy) -> None:
+    """Gives every entry its saved value; each replica its own copy.
+
+    An entry whose value is `None` is left as it is.
+    """
+    base, _ = worker_layout(strategy)
+    for entry, value in zip(inventory, values):
+        if value is None:
+            continue
+        if entry.per_replica:
+            components = strategy.experimental_local_results(entry.variable)
+            for offset, component in enumerate(components):
+                component.assign(value[base + offset])
+        else:
+            entry.variable.assign(value)

@@ -1,0 +1,217 @@
+"""The train and test functions of `DistributedModel`, with global logs."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from keras_dist._compat import keras_src as _compat
+from keras_dist._compat import tf_internal
+from keras_dist.core import collectives
+from keras_dist.parameter_server import training as _parameter_server
+
+
+class FunctionsMixin:
+    """`make_train_function` / `make_test_function` and their checks."""
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        self._check_strategy()
+        self._check_stepwise()
+        # Before anything is traced: the strategy's collectives get keys no
+        # other strategy of this process uses (keras_dist.core.collectives).
+        collectives.own(self.distribute_strategy)
+        if tf.distribute.has_strategy() or _compat.model_strategy(self) is not None:
+            # Under a strategy, `fit` built the layers from the first batch
+            # (`_maybe_symbolic_build`), and the hook and an accumulation
+            # optimizer must be built here, in cross-replica context. Without
+            # one the weights may appear only in the first trace of the step;
+            # `apply_gradients` builds the hook there.
+            self.build_all_reduce_hook()
+        self.train_function = self._make_distributed_function(self.train_step)
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        if self.test_function is not None and not force:
+            return self.test_function
+        self._check_strategy()
+        self._check_stepwise()
+        self.test_function = self._make_distributed_function(self.test_step)
+        return self.test_function
+
+    def _check_strategy(self):
+        strategy = self.distribute_strategy
+        if self.jit_compile and strategy.num_replicas_in_sync > 1:
+            # Stock Keras fails here too, later and opaquely (XLA cannot
+            # compile the cross-replica step: "Graph execution error").
+            raise ValueError(
+                "`jit_compile=True` does not work with more than one replica: "
+                "XLA cannot compile the cross-replica all-reduce of "
+                f"{type(strategy).__name__} (stock Keras fails the same way). "
+                f"Received: jit_compile=True with {strategy.num_replicas_in_sync} "
+                'replicas. Compile with `jit_compile=False` (or `"auto"`, '
+                "which Keras turns off under a strategy)."
+            )
+
+    def _check_stepwise(self):
+        """Refuses Keras's own train/test functions under parameter servers."""
+        if _parameter_server.is_parameter_server(self.distribute_strategy):
+            raise RuntimeError(
+                "Under ParameterServerStrategy a DistributedModel trains through "
+                "`fit`, `evaluate` and `predict`, which schedule the steps on the "
+                "workers; `train_on_batch`/`test_on_batch` and Keras's step "
+                "functions would run on the coordinator. Call `fit`, or "
+                "schedule your own `strategy.run(model.train_step, ...)` with "
+                "`model.cluster_coordinator`."
+            )
+
+    def _make_distributed_function(self, step_function):
+        """Keras's train/test function layout, with global logs.
+
+        The same structure as stock Keras's TensorFlow trainer, so the same
+        things work: `jit_compile` compiles the step only (never the
+        iterator op), `steps_per_execution > 1` loops in one graph over one
+        traced step, and optional inputs fed as `None` arrive as `None`.
+        What differs is the reduction of the step outputs
+        (`_reduce_step_outputs`), and that it happens once per call, after
+        the last step of the `steps_per_execution` chunk: only that step's
+        logs reach Keras, and under MultiWorkerMirroredStrategy reading the
+        metric state is a collective, which the other steps need not pay.
+        """
+        strategy = self.distribute_strategy
+
+        @tf.autograph.experimental.do_not_convert
+        def one_step_on_data(data):
+            # Per-replica outputs: no collective beyond the step's own.
+            return strategy.run(step_function, args=(data,))
+
+        @tf.autograph.experimental.do_not_convert
+        def one_reduced_step_on_data(data):
+            return self._reduce_step_outputs(one_step_on_data(data))
+
+        if not self.run_eagerly:
+            run_on_data = tf.function(
+                one_step_on_data, reduce_retracing=True, jit_compile=self.jit_compile
+            )
+            step_on_data = tf.function(
+                one_reduced_step_on_data,
+                reduce_retracing=True,
+                jit_compile=self.jit_compile,
+            )
+        else:
+            run_on_data, step_on_data = one_step_on_data, one_reduced_step_on_data
+        run_on_data = _optionals_as_none(run_on_data)
+        step_on_data = _optionals_as_none(step_on_data)
+
+        @tf.autograph.experimental.do_not_convert
+        def step_on_iterator(iterator):
+            if self.steps_per_execution == 1:
+                return step_on_data(iterator.get_next())
+
+            def more(step, outputs, next_data):
+                del outputs
+                return tf.logical_and(
+                    step < self.steps_per_execution, next_data.has_value()
+                )
+
+            def run_one(step, outputs, next_data):
+                del outputs
+                outputs = run_on_data(next_data.get_value())
+                # Never read a batch past `steps_per_execution`: the next
+                # call of the function starts with it.
+                next_data = tf.cond(
+                    step + 1 < self.steps_per_execution,
+                    iterator.get_next_as_optional,
+                    lambda: next_data,
+                )
+                return step + 1, outputs, next_data
+
+            # The loop carries the last step's per-replica outputs; they
+            # are reduced once, after it.
+            _, outputs, _ = tf.while_loop(
+                more,
+                run_one,
+                [
+                    tf.constant(1),
+                    run_on_data(iterator.get_next()),
+                    iterator.get_next_as_optional(),
+                ],
+            )
+            return self._reduce_step_outputs(outputs)
+
+        if not self.run_eagerly:
+            step_on_iterator = tf.function(step_on_iterator, reduce_retracing=True)
+
+        def function(iterator):
+            if isinstance(
+                iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)
+            ):
+                return step_on_iterator(iterator)
+            # An iterator of distributed batches built in Python (the epoch
+            # iterator of numpy data can hand out lists of batches). One
+            # batch is held back so the chunk's last step is the one that
+            # reduces.
+            data = None
+            for _, next_data in zip(range(self.steps_per_execution), iterator):
+                if data is not None:
+                    run_on_data(data)
+                data = next_data
+            return None if data is None else step_on_data(data)
+
+        return function
+
+    def _reduce_step_outputs(self, outputs):
+        """Turns per-replica step outputs into global logs (cross-replica).
+
+        Values that are model metrics are recomputed from the metric state,
+        which sums the state of every replica and worker; other values are
+        averaged over replicas.
+        """
+        strategy = self.distribute_strategy
+        metrics = _flatten_logs(self.get_metrics_result())
+
+        def reduce_value(value):
+            if isinstance(value, tf.distribute.DistributedValues) or (
+                tf_internal.is_multi_worker(strategy) and tf.is_tensor(value)
+            ):
+                return collectives.reduce_across(strategy, value, op="mean")
+            return value
+
+        if isinstance(outputs, dict):
+            logs = {}
+            for key, value in outputs.items():
+                if key in metrics:
+                    logs[key] = metrics[key]
+                elif isinstance(value, dict):
+                    logs[key] = self._reduce_step_outputs(value)
+                else:
+                    logs[key] = reduce_value(value)
+            return logs
+        return keras.tree.map_structure(reduce_value, outputs)
+
+
+def _optionals_as_none(step_on_data):
+    """Feeds `None` for empty `tf.experimental.Optional`s, as Keras does.
+
+    A generator that yields `None` for an optional input reaches the step
+    as an Optional (tf.data has no `None`).
+    """
+
+    def step(data):
+        data = keras.tree.map_structure(
+            lambda v: None if isinstance(v, tf.experimental.Optional) else v, data
+        )
+        return step_on_data(data)
+
+    return step
+
+
+def _flatten_logs(logs):
+    flat = {}
+    for key, value in logs.items():
+        if isinstance(value, dict):
+            flat.update(_flatten_logs(value))
+        else:
+            flat[key] = value
+    return flat

@@ -1,0 +1,213 @@
+"""`DistributedTrainerMixin`: `DistributedModel`'s training logic over any
+Keras TensorFlow trainer, put together from one mixin per concern."""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+
+from keras_dist import _validation, state
+from keras_dist._compat import keras_src as _compat
+from keras_dist.core import aggregation
+from keras_dist.core.hooks import AllReduceHook
+from keras_dist.core.plain import NoCompression
+from keras_dist.optimizers import GradientAccumulationOptimizer
+from keras_dist.parameter_server import training as _parameter_server
+from keras_dist.trainer.fit import FitMixin
+from keras_dist.trainer.functions import FunctionsMixin
+from keras_dist.trainer.saving import SavingMixin
+from keras_dist.trainer.steps import StepMixin
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedTrainerMixin(
+    FitMixin, FunctionsMixin, StepMixin, SavingMixin, _compat.MultiWorkerBuildFix
+):
+    """The training logic of `DistributedModel`, over any Keras TF trainer.
+
+    `DistributedModel` is this mixin over `keras.Model`. It is a separate
+    class so the same methods can sit over Keras's `TensorFlowTrainer` in
+    Keras's own trainer tests (`tests/keras_conformance`); use
+    `DistributedModel` in your code.
+    """
+
+    def __init__(self, *args, all_reduce_hook=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._set_hook(all_reduce_hook)
+        self._keras_dist_check_finite = True
+
+    def _set_hook(self, hook):
+        if hook is not None:
+            aggregation.check_hook(hook)
+        # Plain attributes on purpose: the hook is not a layer, so it must
+        # not show up in `model.layers`, summaries or weight lists.
+        _compat.set_untracked_attribute(self, "_keras_dist_user_hook", hook)
+        _compat.set_untracked_attribute(
+            self, "_keras_dist_hook", NoCompression() if hook is None else hook
+        )
+        # The hook's per-replica state (error feedback, warm-start factors)
+        # is saved with `tf.train.Checkpoint(model=...)`.
+        _compat.track_checkpoint_dependency(
+            self, "all_reduce_hook", self._keras_dist_hook
+        )
+
+    def training_state(self):
+        """Returns the inventory of this model's training state.
+
+        Every variable a training step reads or writes (the model's, the
+        optimizer's, the hooks' state, gradient statistics, metric sums)
+        and the callbacks' registered state, each with its placement and
+        its rule for another replica count: what `BackupAndRestore` saves
+        and restores.
+
+        Returns:
+            A `keras_dist.core.inventory.StateInventory`.
+        """
+        return state.training_state(self)
+
+    @property
+    def all_reduce_hook(self) -> AllReduceHook:
+        """The `AllReduceHook` that sums gradients across replicas."""
+        return self._keras_dist_hook
+
+    def register_all_reduce_hook(self, hook: AllReduceHook) -> None:
+        """Replaces the all-reduce hook.
+
+        Can be called before or between `fit` calls; the train function is
+        rebuilt on the next `fit`. The new hook starts with fresh state.
+
+        Args:
+            hook: `keras_dist.compression.AllReduceHook` instance.
+
+        Raises:
+            TypeError: `hook` is not an `AllReduceHook` instance.
+            RuntimeError: called while `fit` runs (from a callback).
+        """
+        if getattr(self, "_keras_dist_fitting", False):
+            raise RuntimeError(
+                "`register_all_reduce_hook` cannot be called while `fit` runs "
+                "(from a callback): the compiled train step uses the current "
+                "hook until `fit` returns. Call it between `fit` calls."
+            )
+        self._set_hook(aggregation.check_hook(hook, argument="hook"))
+        self.train_function = None
+        _parameter_server.reset_functions(self)
+
+    def compile(
+        self,
+        optimizer="rmsprop",
+        *args,
+        auto_scale_loss=True,
+        check_finite_gradients=True,
+        **kwargs,
+    ):
+        """Configures the model for training; see `keras.Model.compile`.
+
+        One difference: under the `mixed_float16` policy a
+        `GradientAccumulationOptimizer` keeps the outermost place and the
+        loss scaling goes inside it (`GradientAccumulationOptimizer(
+        LossScaleOptimizer(inner))`), so the loss scale is checked on the
+        reduced, accumulated gradient, identically on every replica.
+
+        Args:
+            optimizer: As in `keras.Model.compile`: a Keras optimizer, or the
+                name of one. Defaults to `"rmsprop"`.
+            *args: Further positional arguments of `keras.Model.compile`.
+            auto_scale_loss: Bool. As in Keras: under `mixed_float16`, add
+                loss scaling (inside a `GradientAccumulationOptimizer`, see
+                above). Defaults to `True`.
+            check_finite_gradients: Bool. Stop training with an error naming
+                the update, before the weights change, when the all-reduced
+                gradient holds NaN or inf (NaN in the data can leave the
+                logged loss finite while it turns the weights into NaN). Not
+                done under loss scaling (the `LossScaleOptimizer` skips such
+                steps itself) nor with `jit_compile=True` (XLA has no assert
+                op). It costs one pass over the reduced gradient per update
+                (`benchmarks/finite_check.py`). Defaults to `True`.
+            **kwargs: Further arguments of `keras.Model.compile` (`loss`,
+                `metrics`, `steps_per_execution`, ...).
+
+        Raises:
+            RuntimeError: under `mixed_float16`, a
+                `GradientAccumulationOptimizer` whose inner optimizer has no
+                loss scaling is already built, so it cannot be added.
+        """
+        optimizer = _loss_scaling_inside_accumulation(keras.optimizers.get(optimizer))
+        self._keras_dist_check_finite = _validation.check_bool(
+            "check_finite_gradients", check_finite_gradients
+        )
+        if (
+            auto_scale_loss
+            and isinstance(optimizer, GradientAccumulationOptimizer)
+            and self.dtype_policy.name == "mixed_float16"
+        ):
+            if not isinstance(
+                optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer
+            ):
+                if optimizer.built:
+                    raise RuntimeError(
+                        "Under mixed_float16 the GradientAccumulationOptimizer's "
+                        "inner optimizer needs loss scaling, but it is already "
+                        "built. Pass `GradientAccumulationOptimizer("
+                        "keras.optimizers.LossScaleOptimizer(inner))` yourself."
+                    )
+                logger.info(
+                    "mixed_float16: wrapping the accumulation optimizer's inner "
+                    "optimizer in a LossScaleOptimizer."
+                )
+                optimizer.inner_optimizer = keras.optimizers.LossScaleOptimizer(
+                    optimizer.inner_optimizer, name="loss_scale_optimizer"
+                )
+            auto_scale_loss = False
+        super().compile(optimizer, *args, auto_scale_loss=auto_scale_loss, **kwargs)
+        _parameter_server.reset_functions(self)
+
+    def compile_from_config(self, config):
+        # Keras skips compiling on load when `compile` is overridden (ours
+        # is); DistributedModel.compile takes the same arguments, so compile.
+        if type(self).compile is not DistributedTrainerMixin.compile:
+            return super().compile_from_config(config)
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+        return None
+
+
+def _loss_scaling_inside_accumulation(optimizer):
+    """`LossScaleOptimizer(GradientAccumulationOptimizer(inner))` reordered.
+
+    `apply_gradients` accumulates through the `GradientAccumulationOptimizer`
+    and applies with its inner optimizer, so an outer `LossScaleOptimizer`
+    would scale the loss and never unscale the update (its `apply` is not
+    on that path). Inside, it checks and unscales the reduced, accumulated
+    gradient, as `compile` arranges under `mixed_float16`.
+    """
+    if not (
+        isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        and isinstance(optimizer.inner_optimizer, GradientAccumulationOptimizer)
+    ):
+        return optimizer
+    accumulator = optimizer.inner_optimizer
+    if optimizer.built or accumulator.built:
+        raise RuntimeError(
+            "`optimizer` is a built `LossScaleOptimizer` around a "
+            "`GradientAccumulationOptimizer`; DistributedModel applies loss "
+            "scaling inside the accumulation and cannot reorder built "
+            f"optimizers. Received: optimizer={optimizer!r}. Pass "
+            "`GradientAccumulationOptimizer(keras.optimizers."
+            "LossScaleOptimizer(inner))` instead."
+        )
+    logger.info(
+        "Moving the LossScaleOptimizer inside the GradientAccumulationOptimizer "
+        "(it checks and unscales the accumulated, reduced gradient)."
+    )
+    accumulator.inner_optimizer = keras.optimizers.LossScaleOptimizer(
+        accumulator.inner_optimizer,
+        initial_scale=optimizer.initial_scale,
+        dynamic_growth_steps=optimizer.dynamic_growth_steps,
+        name=optimizer.name,
+    )
+    return accumulator
