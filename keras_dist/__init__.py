@@ -27,12 +27,12 @@ import sys
 from typing import TYPE_CHECKING
 
 from keras_dist._backend import check_backend, legacy_keras
-from keras_dist._versions import check_versions
+from keras_dist._versions import VERSION, check_versions
 
 check_backend()
 check_versions()
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 if TYPE_CHECKING:
     from keras_dist import batch_size as batch_size

@@ -14,7 +14,8 @@ import tensorflow as tf
 
 from keras_dist._compat import keras_src
 from keras_dist.core.aggregation import assert_finite, reduce_gradients
-from keras_dist.core.hooks import AllReduceHook, OptimizerView, nested_optimizers
+from keras_dist.core.hooks import AllReduceHook
+from keras_dist.core.optimizer_view import OptimizerView, nested_optimizers
 from keras_dist.core.statistics import gradient_statistics
 
 

@@ -20,6 +20,9 @@ import importlib.metadata
 import sys
 import warnings
 
+VERSION = "0.1.0"
+"""keras_dist's own version (`keras_dist.__version__`)."""
+
 # The versions the test suite ran on and every touch in `_compat.py` was
 # verified against (major.minor, inclusive). Bump them together with
 # tests/keras_conformance/stock_passing/ (see CONTRIBUTING.md).

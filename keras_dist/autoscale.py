@@ -33,7 +33,7 @@ from keras_dist import state as state_lib
 from keras_dist._fit_data import BatchesFitData
 from keras_dist._validation import check_bool, check_choice, check_int, check_real
 from keras_dist.core import statistics as _gradient_statistics
-from keras_dist.core.hooks import nested_optimizers
+from keras_dist.core.optimizer_view import nested_optimizers
 from keras_dist.noise_scale import (
     NoiseScaleController,
     NoiseScaleMeasurement,

@@ -280,7 +280,7 @@ def _seconds(text: str) -> float:
 
 
 def _version_text() -> str:
-    from keras_dist import __version__
+    from keras_dist._versions import VERSION as __version__
 
     return f"{PROG} {__version__}"
 
@@ -333,9 +333,9 @@ def _run_env() -> int:
     import keras
     import tensorflow as tf
 
-    from keras_dist import __version__
     from keras_dist import memory as memory_lib
     from keras_dist import strategy as strategy_lib
+    from keras_dist._versions import VERSION as __version__
 
     print(f"keras_dist:    {__version__}")
     print(

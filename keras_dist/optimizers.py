@@ -9,7 +9,7 @@ from keras_dist import _apply, _registration  # noqa: F401 (registers the hooks)
 from keras_dist._compat import keras_src as _compat
 from keras_dist._validation import check_int
 from keras_dist.core import accumulation, aggregation
-from keras_dist.core.hooks import nested_optimizers
+from keras_dist.core.optimizer_view import nested_optimizers
 from keras_dist.core.plain import NoCompression
 
 _REFUSED_BASE_KWARGS = {

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist._compat import keras_src as _compat
-from keras_dist.core.hooks import nested_optimizers
+from keras_dist.core.optimizer_view import nested_optimizers
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")

@@ -53,9 +53,11 @@ except ImportError as error:  # pragma: no cover - depends on the install
         'not installed. Install it with `pip install "keras-dist[tfmot]"`.'
     ) from error
 
+from keras_dist._backend import legacy_keras
 from keras_dist._validation import check_bool, check_int
 from keras_dist.core import accumulation, aggregation
-from keras_dist.core.hooks import AllReduceHook, OptimizerView, nested_optimizers
+from keras_dist.core.hooks import AllReduceHook
+from keras_dist.core.optimizer_view import OptimizerView, nested_optimizers
 from keras_dist.core.plain import NoCompression
 
 __all__ = ["DistributedOptimizer", "UpdatePruningStep", "import_tfmot"]
@@ -73,8 +75,9 @@ def import_tfmot():
     This resolves `tf.keras` first (Keras 3, unless the process chose
     otherwise), imports tfmot, and puts the variable back. tfmot itself
     uses tf_keras either way. `import keras_dist.tf_keras` calls it when
-    tfmot is installed; later `import tensorflow_model_optimization` gets
-    the same module.
+    tfmot is installed and the process runs Keras 3 (no
+    `TF_USE_LEGACY_KERAS`); later `import tensorflow_model_optimization`
+    gets the same module.
 
     Returns:
         The `tensorflow_model_optimization` module.
@@ -99,7 +102,13 @@ def import_tfmot():
     return tfmot
 
 
-if importlib.util.find_spec("tensorflow_model_optimization") is not None:
+if importlib.util.find_spec("tensorflow_model_optimization") is not None and (
+    not legacy_keras()
+):
+    # In a Keras 3 process, import tfmot now, the safe way, so a later
+    # `import tensorflow_model_optimization` does not switch `tf.keras`. In
+    # tf_keras mode there is nothing to protect, and tfmot (which loads
+    # Keras 3 modules of its own) is imported only when used.
     import_tfmot()
 
 _OPTIMIZER_TYPES = (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer)

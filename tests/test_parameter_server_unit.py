@@ -53,7 +53,7 @@ def test_traced_with_the_fix_keras_assign_add_and_sub_are_atomic():
     )
 
 
-def test_the_fix_acts_only_in_the_tracing_thread():
+def test_the_fix_acts_only_on_the_traced_step():
     # A plain Keras model traced in another thread while a parameter-server
     # step traces keeps Keras's read-then-write `assign_add`.
     import threading

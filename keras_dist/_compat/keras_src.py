@@ -25,7 +25,7 @@ from keras_dist._backend import check_backend
 # others, live in `_versions.py` (checked at `import keras_dist`).
 from keras_dist._versions import TESTED_KERAS as TESTED_KERAS
 from keras_dist._versions import TESTED_TENSORFLOW as TESTED_TENSORFLOW
-from keras_dist.core.hooks import nested_optimizers
+from keras_dist.core.optimizer_view import nested_optimizers
 
 check_backend()
 
@@ -476,16 +476,32 @@ def _update_sharded_too(self, var, fn, args, kwargs, group):
     return tf.nest.map_structure(self._local_results, result)
 
 
-# Which threads are tracing a parameter-server step (a count per thread), and
-# how many are in all: the replacements below are installed while any thread
-# traces one, and act only for the threads that do.
-_tracing = threading.local()
-_tracing_threads = [0]
+# The graphs of the parameter-server step functions being traced: the
+# replacements below are installed while any is, and act only on ops added to
+# those graphs (or to a graph nested in one: a loop body, a cond branch). The
+# graph, not the thread: `strategy.run` traces the step in replica threads of
+# its own, while another thread tracing a plain Keras model at the same time
+# builds another graph and gets Keras's own methods. Eagerly (no graph being
+# built), the thread that entered decides.
+_tracing_graphs: set = set()
+_tracing_eagerly = threading.local()
+_tracing_count = [0]
 
 
-def _for_tracing_threads(replacement, original):
+def _in_parameter_server_step() -> bool:
+    if tf.executing_eagerly():
+        return getattr(_tracing_eagerly, "depth", 0) > 0
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if id(graph) in _tracing_graphs:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def _in_step_only(replacement, original):
     def method(self, *args, **kwargs):
-        if getattr(_tracing, "depth", 0):
+        if _in_parameter_server_step():
             return replacement(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
@@ -497,32 +513,40 @@ def parameter_server_tracing():
     """Traces parameter-server step functions with the two fixes above.
 
     Keras variables' `assign_add`/`assign_sub` become single atomic ops, and
-    partitioned variables can be updated, **in this thread only**: another
-    thread tracing a plain Keras model at the same time gets Keras's own
-    methods. Used around the tracing of those functions; the traced graph
+    partitioned variables can be updated, **in the function being traced
+    only** (its graph and the graphs nested in it, whichever thread adds to
+    them): a plain Keras model traced meanwhile in another thread gets
+    Keras's own methods. Used inside the step functions; the traced graph
     keeps the ops.
     """
+    eager = tf.executing_eagerly()
+    graph = None if eager else tf.compat.v1.get_default_graph()
     with _patch_lock:
-        if _tracing_threads[0] == 0:
-            _KerasVariable.assign_add = _for_tracing_threads(
+        if _tracing_count[0] == 0:
+            _KerasVariable.assign_add = _in_step_only(
                 _atomic_assign_add, _keras_assign_add
             )
-            _KerasVariable.assign_sub = _for_tracing_threads(
+            _KerasVariable.assign_sub = _in_step_only(
                 _atomic_assign_sub, _keras_assign_sub
             )
-            _PSExtended._update = _for_tracing_threads(_update_sharded_too, _ps_update)
-        depth = getattr(_tracing, "depth", 0)
-        if depth == 0:
-            _tracing_threads[0] += 1
-        _tracing.depth = depth + 1
+            _PSExtended._update = _in_step_only(_update_sharded_too, _ps_update)
+        _tracing_count[0] += 1
+        if eager:
+            _tracing_eagerly.depth = getattr(_tracing_eagerly, "depth", 0) + 1
+            added = False
+        else:
+            added = id(graph) not in _tracing_graphs
+            _tracing_graphs.add(id(graph))
     try:
         yield
     finally:
         with _patch_lock:
-            _tracing.depth -= 1
-            if _tracing.depth == 0:
-                _tracing_threads[0] -= 1
-            if _tracing_threads[0] == 0:
+            if eager:
+                _tracing_eagerly.depth -= 1
+            elif added:
+                _tracing_graphs.discard(id(graph))
+            _tracing_count[0] -= 1
+            if _tracing_count[0] == 0:
                 _KerasVariable.assign_add = _keras_assign_add
                 _KerasVariable.assign_sub = _keras_assign_sub
                 _PSExtended._update = _ps_update

@@ -16,9 +16,10 @@ import tensorflow as tf
 from keras_dist import state
 from keras_dist._compat import keras_src as _compat
 from keras_dist._validation import check_bool, check_int
+from keras_dist._versions import VERSION
 from keras_dist.backup import manifest as manifest_lib
 from keras_dist.backup import store, transfer
-from keras_dist.core import collectives
+from keras_dist.core import collectives, topology
 from keras_dist.launcher.process import EXIT_PREEMPTED
 
 logger = logging.getLogger(__name__)
@@ -360,13 +361,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         manifest = {
             "format": store.FORMAT,
             "version": store.FORMAT_VERSION,
-            "keras_dist": _version(),
+            "keras_dist": VERSION,
             "epoch": int(epoch),
             "calls": int(calls),
             "position": int(position),
             "steps_per_execution": self._spx,
             "replicas": replicas,
-            "workers": transfer.count_workers(self._strategy),
+            "workers": topology.count_workers(self._strategy),
             "logs": logs,
             "callbacks": inventory.provider_states(),
             "variables": manifest_lib.describe(inventory, values),
@@ -447,7 +448,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _agree_on_preemption(self) -> bool:
         """Whether any worker received SIGTERM (a collective on several workers)."""
-        if transfer.count_workers(self._strategy) == 1:
+        if topology.count_workers(self._strategy) == 1:
             return self._preempted
         flag = 1.0 if self._preempted else 0.0
         value = self._strategy.experimental_distribute_values_from_function(
@@ -473,12 +474,6 @@ def _build_training_state(model) -> None:
     if optimizer is not None and not optimizer.built:
         with model.distribute_strategy.scope():
             optimizer.build(model.trainable_variables)
-
-
-def _version() -> str:
-    from keras_dist import __version__
-
-    return __version__
 
 
 def _float_logs(logs) -> dict:
@@ -510,11 +505,11 @@ def _restore_provider_states(providers: dict, states: dict) -> None:
 
 def _check_same_backup_everywhere(strategy, resume: _Resume) -> None:
     """Every worker must resume from the same backup (a shared folder)."""
-    if transfer.count_workers(strategy) == 1:
+    if topology.count_workers(strategy) == 1:
         return
     digest = int(resume.manifest["sha256"][:12], 16)
     mine = np.array([digest, resume.epoch, resume.calls], dtype=np.int64)
-    _, local = transfer.worker_layout(strategy)
+    _, local = topology.worker_layout(strategy)
     gathered = transfer.gather_per_replica([[mine] * local], strategy)[0]
     if not (gathered == gathered[0]).all():
         raise store.BackupError(

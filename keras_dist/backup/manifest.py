@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from keras_dist.backup.store import BackupError
-from keras_dist.backup.transfer import count_workers
+from keras_dist.core.topology import count_workers
 
 
 def describe(inventory, values: list[np.ndarray]) -> list[dict]:

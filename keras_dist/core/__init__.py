@@ -5,8 +5,10 @@ Pure TensorFlow; nothing here imports Keras (a test imports the core with
 
 - `collectives`: the collective layer (owns collective keys; all-reduce,
   all-gather, buckets, packing); every collective of the package.
+- `topology`: where this process sits in a strategy (replicas, workers).
 - `hooks`: the all-reduce hook protocol; `plain`, `casts`, `topk`,
-  `powersgd`, `dgc`: the built-in hooks' algorithms.
+  `powersgd`, `dgc`: the built-in hooks' algorithms; `optimizer_view`: what
+  a hook may know of the optimizer (each front end builds it).
 - `aggregation`: weighing by batch share and the hook's reduction;
   `accumulation`: the gradient-accumulation cycle; `statistics`: the
   squared norms behind the gradient noise scale.

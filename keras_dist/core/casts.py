@@ -234,7 +234,7 @@ class FP16(_CastCompression):
         bucket_bytes: Int or `None`. Bytes of gradients (before the cast)
             per collective, issued in reverse layer order so communication
             overlaps the backward pass (see
-            `keras_dist.compression.base.plan_buckets`). `None`: one
+            `keras_dist.compression.plan_buckets`). `None`: one
             collective per dtype. Defaults to 4 MiB.
 
     Example:
@@ -270,7 +270,7 @@ class BF16(_CastCompression):
         bucket_bytes: Int or `None`. Bytes of gradients (before the cast)
             per collective, issued in reverse layer order so communication
             overlaps the backward pass (see
-            `keras_dist.compression.base.plan_buckets`). `None`: one
+            `keras_dist.compression.plan_buckets`). `None`: one
             collective per dtype. Defaults to 4 MiB.
 
     Example:

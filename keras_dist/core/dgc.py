@@ -134,7 +134,7 @@ class DGC(AllReduceHook):
         bucket_bytes: Int or `None`. Bytes of gradients (before the
             sparsification) per all-gather, issued in reverse layer order so
             communication overlaps the backward pass (see
-            `keras_dist.compression.base.plan_buckets`). `None`: one
+            `keras_dist.compression.plan_buckets`). `None`: one
             all-gather for all floating-point gradients. Defaults to 4 MiB.
 
     Example:
@@ -275,7 +275,7 @@ class DGC(AllReduceHook):
         gradients.
 
         Args:
-            view: `keras_dist.core.hooks.OptimizerView` of the optimizer
+            view: `keras_dist.core.optimizer_view.OptimizerView` of the optimizer
                 (built by the front end).
 
         Raises:

@@ -94,7 +94,7 @@ class PowerSGD(AllReduceHook):
     `P` factors and raw gradients in one all-reduce per dtype, the
     orthonormalisation, then its `Q` factors in one more. The last layers'
     factors travel while the first layers' gradients are still being
-    computed (see `keras_dist.compression.base.plan_buckets`). With
+    computed (see `keras_dist.compression.plan_buckets`). With
     `bucket_bytes=None` all gradients make one bucket: two collective
     launches per dtype and step, after the whole backward pass.
 

@@ -16,7 +16,7 @@ import weakref
 import tensorflow as tf
 
 from keras_dist.core.collectives import all_reduce
-from keras_dist.core.hooks import nested_optimizers
+from keras_dist.core.optimizer_view import nested_optimizers
 
 # Optimizer -> its statistics. Kept here, not on the optimizer: an attribute
 # would be tracked (and checkpointed) by Keras and tf.Module.

@@ -36,7 +36,7 @@ class TopK(AllReduceHook):
     The buckets hold about `bucket_bytes` of gradients (counted before the
     sparsification), in reverse order of the model's variables, so the last
     layers' entries travel while the first layers' gradients are still being
-    computed (see `keras_dist.compression.base.plan_buckets`). With
+    computed (see `keras_dist.compression.plan_buckets`). With
     `bucket_bytes=None` all gradients make one bucket: one all-gather per
     step after the whole backward pass.
 

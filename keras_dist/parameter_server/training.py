@@ -143,9 +143,13 @@ def check_model(model, callbacks) -> None:
                 "from the chief and load at start."
             )
         if reason is not None:
+            # keras_dist's callbacks by their public name; others in full.
+            module = type(callback).__module__
+            name = type(callback).__name__
+            if not module.startswith("keras_dist."):
+                name = f"{module}.{name}"
             raise ValueError(
-                f"{type(callback).__module__}.{type(callback).__name__} does "
-                f"not work under ParameterServerStrategy: {reason}"
+                f"{name} does not work under ParameterServerStrategy: {reason}"
             )
 
 

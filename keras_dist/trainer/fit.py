@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras_dist import _fit_data, state
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
-from keras_dist.backup.transfer import count_workers
+from keras_dist.core.topology import count_workers
 from keras_dist.parameter_server import training as _parameter_server
 
 
