@@ -36,8 +36,8 @@ def define_hook():
     import keras
     import tensorflow as tf
 
-    from keras_dist.compression import AllReduceHook
     from keras_dist.compression import (
+        AllReduceHook,
         num_elements,
         replica_context,
         zero_if_not_finite,

@@ -9,14 +9,23 @@ with the Keras optimizer, whose own cross-replica sum is switched off
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import keras
 import tensorflow as tf
 
 from keras_dist._compat import keras_src
-from keras_dist.core.aggregation import assert_finite, reduce_gradients
+from keras_dist.core.aggregation import (
+    apply_if_finite,
+    assert_finite,
+    reduce_gradients,
+)
 from keras_dist.core.hooks import AllReduceHook
 from keras_dist.core.optimizer_view import OptimizerView, nested_optimizers
 from keras_dist.core.statistics import gradient_statistics
+
+logger = logging.getLogger(__name__)
 
 
 def optimizer_view(optimizer) -> OptimizerView:
@@ -44,13 +53,53 @@ def optimizer_view(optimizer) -> OptimizerView:
     )
 
 
+def filter_empty_gradients(gradients, variables):
+    """Drops `None` gradients with their variables, as Keras's optimizers do.
+
+    Raises Keras's `ValueError` when no gradient is left, and gives Keras's
+    warning naming the variables without one.
+
+    Returns:
+        `(gradients, variables)`, the kept pairs in order.
+    """
+    pairs = [(g, v) for g, v in zip(gradients, variables) if g is not None]
+    if not pairs:
+        raise ValueError("No gradients provided for any variable.")
+    if len(pairs) < len(list(variables)):
+        missing = [
+            getattr(v, "path", None) or v.name
+            for g, v in zip(gradients, variables)
+            if g is None
+        ]
+        warnings.warn(
+            f"Gradients do not exist for variables {missing} when minimizing "
+            "the loss. If using `model.compile()`, did you forget to provide "
+            "a `loss` argument?",
+            stacklevel=3,
+        )
+    return [g for g, _ in pairs], [v for _, v in pairs]
+
+
+def build_optimizer(optimizer, variables) -> None:
+    """Builds `optimizer` on all of `variables`, as Keras's `apply` does.
+
+    Before the `None` gradients are dropped: an optimizer built on the
+    variables that got a gradient would save fewer variables than a model
+    trained with stock Keras, and skip its own state on load.
+    """
+    if not optimizer.built:
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(list(variables))
+        optimizer.built = True
+
+
 def reduce_and_apply(
     optimizer,
     gradients,
     variables,
     hook: AllReduceHook,
     batch_size=None,
-    check_finite=False,
+    non_finite_gradients="apply",
 ):
     """Sums `gradients` over replicas through `hook`, then applies them once.
 
@@ -58,7 +107,8 @@ def reduce_and_apply(
     `apply` (which clips the reduced gradient) with its own all-reduce
     disabled. Must run in replica context (inside `strategy.run`, or
     anywhere under the default strategy). `None` gradients are dropped
-    together with their variables, as Keras does.
+    together with their variables, as Keras does (with its error when none
+    is left and its warning naming the others).
 
     Args:
         optimizer: The Keras optimizer (possibly a `LossScaleOptimizer`).
@@ -70,34 +120,59 @@ def reduce_and_apply(
             weighted by its share of the global batch (see
             `weight_by_batch_share`), which is exact for a last batch that
             does not split evenly. `None`: the batches are taken as equal.
-        check_finite: Bool. Fail the step, before any weight changes, when
-            the reduced gradient holds NaN or inf (unless a
-            `LossScaleOptimizer` handles that). Defaults to `False`.
+        non_finite_gradients: String, one of
+            `keras_dist.core.aggregation.NON_FINITE_GRADIENTS`: what an
+            update with a NaN or inf in the reduced gradient does (a
+            `LossScaleOptimizer` decides itself). Defaults to `"apply"`
+            (stock Keras).
 
     Returns:
-        The list of summed gradients that were applied.
+        The list of summed gradients.
 
     When `GradientStatistics` are attached to `optimizer`, their squared
     gradient norms are recorded too (see `GradientStatistics.record`).
     """
+    variables = list(variables)
+    build_optimizer(optimizer, variables)
+    gradients, variables = filter_empty_gradients(gradients, variables)
     view = optimizer_view(optimizer)
     grads, trainable, reduced = reduce_gradients(
         gradients, variables, hook, batch_size=batch_size, view=view
     )
-    if not reduced:
-        return []
     statistics = gradient_statistics(optimizer)
     if statistics is not None:
         statistics.record(grads, reduced)
-    control = []
-    if check_finite and view.loss_scale is None:
-        control = [assert_finite(reduced, optimizer.iterations)]
-    # The assert runs before any update (tf.function also orders stateful
-    # ops in program order), so a failing step leaves the weights as they
-    # were.
-    with (
-        tf.control_dependencies(control),
-        keras_src.optimizer_all_reduce_disabled(optimizer),
-    ):
-        optimizer.apply(reduced, trainable)
+
+    def apply(reduced):
+        with keras_src.optimizer_all_reduce_disabled(optimizer):
+            optimizer.apply(reduced, trainable)
+
+    if view.loss_scale is not None or non_finite_gradients == "apply":
+        apply(reduced)
+    elif non_finite_gradients == "raise":
+        # The assert runs before any update (tf.function also orders
+        # stateful ops in program order), so a failing step leaves the
+        # weights as they were.
+        with tf.control_dependencies([assert_finite(reduced, optimizer.iterations)]):
+            apply(reduced)
+    else:
+        apply_if_finite(
+            reduced, apply, on_skip=lambda: _warn_skipped(optimizer.iterations)
+        )
     return reduced
+
+
+def _warn_skipped(iterations) -> None:
+    """Logs, when the step runs, that the update `iterations` was skipped."""
+
+    def warn(update):
+        logger.warning(
+            "keras_dist: skipped optimizer update %d (0-based): the all-reduced "
+            "gradient is not finite (NaN or inf). The weights were not changed. "
+            "Usual causes: NaN or inf in the input data, a learning rate that "
+            "diverged, a loss that overflows. compile(..., "
+            "non_finite_gradients='raise') stops training instead.",
+            int(update),
+        )
+
+    tf.py_function(warn, [tf.convert_to_tensor(iterations)], [])

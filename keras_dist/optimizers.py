@@ -239,6 +239,34 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
     def variables(self):
         return _compat.optimizer_own_variables(self) + self.inner_optimizer.variables
 
+    def set_weights(self, weights):
+        """Sets every variable of `variables`: this wrapper's and the inner
+        optimizer's, in that order (Keras's base method sets only the
+        wrapper's own)."""
+        if not self.built:
+            raise ValueError(
+                "You are calling `set_weights()` on an optimizer that has not "
+                "yet been built. Please call "
+                "`optimizer.build(trainable_variables)` to create the "
+                "optimizer weights before calling `set_weights()`."
+            )
+        variables = self.variables
+        weights = list(weights)
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"`weights` must hold one value per variable of `variables` "
+                f"({len(variables)}: this optimizer's, then the inner "
+                f"optimizer's). Received: {len(weights)} values."
+            )
+        for variable, weight in zip(variables, weights):
+            if tuple(variable.shape) != tuple(weight.shape):
+                raise ValueError(
+                    f"Optimizer variable {variable.path} has shape "
+                    f"{tuple(variable.shape)} not compatible with provided "
+                    f"weight shape {tuple(weight.shape)}."
+                )
+            variable.assign(weight)
+
     @property
     def learning_rate(self):
         return self.inner_optimizer.learning_rate
@@ -357,14 +385,21 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         """Accumulates `grads`; applies the mean on every k-th call.
 
         Called in replica context by `apply_gradients` (stock Keras
-        `train_step`). Uses the constructor's hook, or a plain sum.
+        `train_step`). Uses the constructor's hook, or a plain sum, and
+        applies an update as the inner optimizer would, NaN included (a
+        `DistributedModel` skips it by default: see its `compile`).
         """
         if trainable_variables is None:
             trainable_variables = _compat.optimizer_trainable_variables(self)
         self.accumulate_and_apply(grads, trainable_variables, self._plain_hook())
 
     def accumulate_and_apply(
-        self, grads, trainable_variables, hook, batch_size=None, check_finite=False
+        self,
+        grads,
+        trainable_variables,
+        hook,
+        batch_size=None,
+        non_finite_gradients="apply",
     ):
         """Accumulates `grads`; on every k-th call reduces them with `hook`
         and applies their mean with the inner optimizer.
@@ -379,23 +414,24 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         trains with; `apply` calls it with the constructor's hook.
 
         Args:
-            grads: List of this replica's gradients (`None` entries skipped).
+            grads: List of this replica's gradients (`None` entries skipped,
+                with Keras's warning; all `None` is Keras's `ValueError`).
             trainable_variables: List of the matching variables.
             hook: The built `AllReduceHook` that sums the accumulated
                 gradients over replicas on update steps.
             batch_size: Int, scalar tensor or `None`. This replica's number
                 of examples in the micro-batch. Defaults to `None` (each
                 micro-step counts as one).
-            check_finite: Bool. Fail an update whose reduced gradient is not
-                finite (see `DistributedModel.compile`). Defaults to `False`.
+            non_finite_gradients: String: what an update whose reduced
+                gradient is not finite does, `"skip"`, `"raise"` or `"apply"`
+                (see `DistributedModel.compile`). Defaults to `"apply"`.
         """
         trainable_variables = list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
-        variables = [v for _, v in pairs]
+        grads, variables = _apply.filter_empty_gradients(grads, trainable_variables)
         for variable in variables:
             self._index(variable)
 
@@ -405,12 +441,10 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
                 mean_grads,
                 variables,
                 hook,
-                check_finite=check_finite,
+                non_finite_gradients=non_finite_gradients,
             )
 
-        self._cycle.accumulate(
-            [g for g, _ in pairs], variables, apply, batch_size=batch_size
-        )
+        self._cycle.accumulate(grads, variables, apply, batch_size=batch_size)
 
     def _index(self, variable):
         try:

@@ -39,8 +39,10 @@ model.fit(tf.zeros((64, 4)), tf.zeros((64, 1)), batch_size=16, verbose=0)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
+import logging
 import os
 
 import tensorflow as tf
@@ -54,13 +56,15 @@ except ImportError as error:  # pragma: no cover - depends on the install
     ) from error
 
 from keras_dist._backend import legacy_keras
-from keras_dist._validation import check_bool, check_int
+from keras_dist._validation import check_int
 from keras_dist.core import accumulation, aggregation
 from keras_dist.core.hooks import AllReduceHook
 from keras_dist.core.optimizer_view import OptimizerView, nested_optimizers
 from keras_dist.core.plain import NoCompression
 
 __all__ = ["DistributedOptimizer", "UpdatePruningStep", "import_tfmot"]
+
+logger = logging.getLogger(__name__)
 
 _LEGACY_KERAS_VAR = "TF_USE_LEGACY_KERAS"
 
@@ -118,12 +122,14 @@ def DistributedOptimizer(  # a factory, named like the class it returns
     optimizer,
     all_reduce_hook: AllReduceHook | None = None,
     accumulation_steps: int = 1,
-    check_finite_gradients: bool = True,
+    non_finite_gradients: str = "skip",
 ):
     """Wraps a tf_keras optimizer so it sums gradients through a hook.
 
-    Returns an optimizer **of the same class** as `optimizer` (an `Adam`
-    stays an `Adam`, with the same configuration), whose `apply_gradients`:
+    Returns `optimizer` itself, made distributed: it stays an `Adam` (or
+    whatever it is), with everything it holds (a learning-rate schedule of
+    your own, callable hyperparameters, overridden methods), as Horovod's
+    `DistributedOptimizer` wrapped the instance. Its `apply_gradients`:
 
     1. with `accumulation_steps=k > 1`, adds each micro-step's gradient into
        replica-local accumulators, with no communication, and goes on only
@@ -147,9 +153,11 @@ def DistributedOptimizer(  # a factory, named like the class it returns
             or `None` for an uncompressed sum. Defaults to `None`.
         accumulation_steps: Int >= 1. Micro-steps per update (Horovod's
             `backward_passes_per_step`). Defaults to `1`.
-        check_finite_gradients: Bool. Stop with an error naming the update,
-            before the weights change, when the reduced gradient holds NaN
-            or inf. Defaults to `True`.
+        non_finite_gradients: String, what an update does when the reduced
+            gradient holds NaN or inf: `"skip"` (no update, a warning names
+            it, training goes on), `"raise"` (stop with an error naming the
+            update, before the weights change) or `"apply"` (as tf_keras
+            does). Defaults to `"skip"`.
 
     Returns:
         The wrapped optimizer.
@@ -160,8 +168,8 @@ def DistributedOptimizer(  # a factory, named like the class it returns
             `keras_dist.DistributedModel`), or `all_reduce_hook` is not an
             `AllReduceHook` instance.
         ValueError: `accumulation_steps` < 1, or > 1 with a legacy
-            optimizer, or `optimizer` has already been used (its state would
-            be lost).
+            optimizer, `optimizer` has already been used or compiled into a
+            model, or `non_finite_gradients` is not one of the three.
     """
     if not isinstance(optimizer, _OPTIMIZER_TYPES):
         hint = ""
@@ -188,7 +196,7 @@ def DistributedOptimizer(  # a factory, named like the class it returns
     accumulation_steps = check_int(
         "accumulation_steps", accumulation_steps, minimum=1, maximum=10**9
     )
-    check_bool("check_finite_gradients", check_finite_gradients)
+    aggregation.check_non_finite_gradients(non_finite_gradients)
     if accumulation_steps > 1 and isinstance(
         optimizer, tf_keras.optimizers.legacy.Optimizer
     ):
@@ -201,20 +209,27 @@ def DistributedOptimizer(  # a factory, named like the class it returns
             f"accumulation_steps={accumulation_steps}. Use "
             f"`tf_keras.optimizers.{type(optimizer).__name__}`."
         )
-    if int(optimizer.iterations.numpy()) != 0 or _built(optimizer):
+    used = _built(optimizer)
+    if not used and tf.executing_eagerly():
+        # In a TF1 graph the counter cannot be read; an unbuilt optimizer
+        # has applied nothing.
+        used = int(optimizer.iterations.numpy()) != 0
+    if used:
         raise ValueError(
             "`optimizer` has already been used (it has state that wrapping "
-            f"would lose). Received: {optimizer!r} at iteration "
-            f"{int(optimizer.iterations.numpy())}. Wrap a new optimizer, "
+            f"would lose). Received: {optimizer!r}. Wrap a new optimizer, "
             "before `compile`."
         )
-    wrapped = _distributed_class(type(optimizer)).from_config(optimizer.get_config())
-    wrapped._keras_dist_setup(
-        NoCompression() if all_reduce_hook is None else all_reduce_hook,
-        accumulation_steps,
-        check_finite_gradients,
+    optimizer.__class__ = _distributed_class(type(optimizer))
+    optimizer._keras_dist_hook = (
+        NoCompression() if all_reduce_hook is None else all_reduce_hook
     )
-    return wrapped
+    object.__setattr__(
+        optimizer,
+        "_keras_dist",
+        _Settings(steps=accumulation_steps, non_finite=non_finite_gradients),
+    )
+    return optimizer
 
 
 def _built(optimizer) -> bool:
@@ -223,71 +238,106 @@ def _built(optimizer) -> bool:
     return bool(getattr(optimizer, "_built", False))
 
 
-class _DistributedMixin:
-    """The `apply_gradients` of `DistributedOptimizer`, over any tf_keras one."""
+@dataclasses.dataclass
+class _Settings:
+    """What `DistributedOptimizer` adds to an optimizer, besides its hook.
 
-    def _keras_dist_setup(self, hook, accumulation_steps, check_finite):
-        self._keras_dist_hook = hook
-        self._keras_dist_steps = accumulation_steps
-        self._keras_dist_check_finite = check_finite
-        self._keras_dist_cycle = None
+    Attributes:
+        steps: Int. Micro-steps per update.
+        non_finite: String. See `non_finite_gradients`.
+        cycle: The `AccumulationCycle`, once built (`steps` > 1).
+    """
+
+    steps: int = 1
+    non_finite: str = "skip"
+    cycle: object = None
+
+
+class _DistributedMixin:
+    """The `apply_gradients` of `DistributedOptimizer`, over any tf_keras one.
+
+    The hook is a tracked attribute (`tf.train.Checkpoint` saves its state
+    with the optimizer); the rest is one untracked `_Settings`. An optimizer
+    made by `from_config` of this class (tf_keras's `clone_and_build_model`)
+    trains with the defaults: a plain sum, no accumulation.
+    """
+
+    @property
+    def _settings(self) -> _Settings:
+        settings = self.__dict__.get("_keras_dist")
+        if settings is None:
+            settings = _Settings()
+            object.__setattr__(self, "_keras_dist", settings)
+        return settings
 
     @property
     def all_reduce_hook(self) -> AllReduceHook:
         """The hook that sums the gradients over replicas."""
-        return self._keras_dist_hook
+        hook = self.__dict__.get("_keras_dist_hook")
+        if hook is None:
+            self._keras_dist_hook = hook = NoCompression()
+        return hook
 
     @property
     def accumulation_steps(self) -> int:
         """Micro-steps per update."""
-        return self._keras_dist_steps
+        return self._settings.steps
 
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
         """Accumulates, sums through the hook, then applies once (see the class)."""
-        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
-        if not pairs:
-            return self.iterations
+        grads, variables = _filter_empty_gradients(grads_and_vars)
         if tf.distribute.in_cross_replica_context():
             raise RuntimeError(
                 "DistributedOptimizer.apply_gradients runs in replica context "
                 "(inside `strategy.run`, as tf_keras's `fit` calls it), not in "
                 "cross-replica context."
             )
-        grads = [g for g, _ in pairs]
-        variables = [v for _, v in pairs]
         self._keras_dist_build(variables)
         apply = functools.partial(self._keras_dist_apply, name=name)
-        if self._keras_dist_cycle is None:
+        cycle = self._settings.cycle
+        if cycle is None:
             apply(grads, variables)
         else:
-            self._keras_dist_cycle.accumulate(grads, variables, apply)
+            cycle.accumulate(grads, variables, apply)
         return self.iterations
 
     def _keras_dist_apply(self, grads, variables, name=None):
+        view = _optimizer_view(self)
         _, trainable, reduced = aggregation.reduce_gradients(
-            grads, variables, self._keras_dist_hook, view=_optimizer_view(self)
+            grads, variables, self.all_reduce_hook, view=view
         )
-        control = []
-        if self._keras_dist_check_finite:
-            control = [aggregation.assert_finite(reduced, self.iterations)]
-        with tf.control_dependencies(control):
+
+        def apply(reduced):
             if isinstance(self, tf_keras.optimizers.legacy.Optimizer):
-                super().apply_gradients(
+                super(_DistributedMixin, self).apply_gradients(
                     zip(reduced, trainable),
                     name=name,
                     experimental_aggregate_gradients=False,
                 )
             else:
-                super().apply_gradients(
+                super(_DistributedMixin, self).apply_gradients(
                     zip(reduced, trainable),
                     name=name,
                     skip_gradients_aggregation=True,
                 )
 
+        non_finite = self._settings.non_finite
+        if view.loss_scale is not None or non_finite == "apply":
+            apply(reduced)
+        elif non_finite == "raise":
+            check = aggregation.assert_finite(reduced, self.iterations)
+            with tf.control_dependencies([check]):
+                apply(reduced)
+        else:
+            aggregation.apply_if_finite(
+                reduced, apply, on_skip=lambda: _warn_skipped(self.iterations)
+            )
+
     def _keras_dist_build(self, variables):
         """Creates the hook's state and the accumulators, in cross-replica context."""
-        hook = self._keras_dist_hook
-        needs_cycle = self._keras_dist_steps > 1 and self._keras_dist_cycle is None
+        hook = self.all_reduce_hook
+        settings = self._settings
+        needs_cycle = settings.steps > 1 and settings.cycle is None
         if aggregation.hook_covers(hook, variables) and not needs_cycle:
             return
 
@@ -325,8 +375,8 @@ class _DistributedMixin:
         self.keras_dist_examples = local(tf.zeros((), tf.float32), "examples")
         self.keras_dist_pending = shared(0, "pending_micro_steps")
         self.keras_dist_micro_steps = shared(0, "micro_steps")
-        self.keras_dist_steps = shared(self._keras_dist_steps, "accumulation_steps")
-        self._keras_dist_cycle = accumulation.AccumulationCycle(
+        self.keras_dist_steps = shared(self._settings.steps, "accumulation_steps")
+        self._settings.cycle = accumulation.AccumulationCycle(
             self.keras_dist_accumulators,
             self.keras_dist_examples,
             self.keras_dist_pending,
@@ -338,8 +388,44 @@ class _DistributedMixin:
     @property
     def micro_steps(self):
         """Micro-steps seen so far (`None` without accumulation)."""
-        cycle = self._keras_dist_cycle
+        cycle = self._settings.cycle
         return None if cycle is None else cycle.micro_steps
+
+
+def _filter_empty_gradients(grads_and_vars):
+    """Drops `None` gradients, with tf_keras's error and warning."""
+    grads_and_vars = tuple(grads_and_vars)
+    kept = [(g, v) for g, v in grads_and_vars if g is not None]
+    if not kept:
+        raise ValueError(
+            "No gradients provided for any variable: "
+            f"{[v.name for _, v in grads_and_vars]}. Provided `grads_and_vars` "
+            f"is {grads_and_vars}."
+        )
+    missing = [v.name for g, v in grads_and_vars if g is None]
+    if missing:
+        logger.warning(
+            "Gradients do not exist for variables %s when minimizing the loss. "
+            "If you're using `model.compile()`, did you forget to provide a "
+            "`loss` argument?",
+            missing,
+        )
+    return [g for g, _ in kept], [v for _, v in kept]
+
+
+def _warn_skipped(iterations) -> None:
+    """Logs, when the step runs, that the update `iterations` was skipped."""
+
+    def warn(update):
+        logger.warning(
+            "keras_dist: skipped optimizer update %d (0-based): the all-reduced "
+            "gradient is not finite (NaN or inf). The weights were not changed. "
+            "DistributedOptimizer(..., non_finite_gradients='raise') stops "
+            "training instead.",
+            int(update),
+        )
+
+    tf.py_function(warn, [tf.convert_to_tensor(iterations)], [])
 
 
 def _optimizer_view(optimizer) -> OptimizerView:

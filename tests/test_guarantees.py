@@ -1,6 +1,7 @@
 """No silent wrong answers: what DistributedModel checks for you.
 
-Non-finite gradients stop training before the weights change; a Python
+Non-finite gradients change no weight (skipped, or an error on request)
+while Keras's callbacks still see the loss; a Python
 generator on several replicas (which tf.distribute cannot split) is refused;
 a hook that returns the wrong shapes or dtypes is named.
 """
@@ -33,22 +34,45 @@ def small_model(base=keras_dist.DistributedModel, **kwargs):
 # --- NaN in the data -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
-@pytest.mark.parametrize("accumulation_steps", [1, 2])
-def test_nan_input_stops_training_before_the_weights_change(
-    replicas, accumulation_steps, mirrored
-):
-    # relu maps NaN to 0 on CPU, so the logged loss can stay finite while
-    # the gradient (and stock Keras's weights) turn NaN.
-    x, y = regression_data(nan_at=37)  # in the third batch of 16
-    with mirrored(replicas).scope():
+def nan_model(strategy, accumulation_steps, **compile_kwargs):
+    with strategy.scope():
         model = small_model()
         optimizer = keras.optimizers.SGD(0.1)
         if accumulation_steps > 1:
             optimizer = keras_dist.GradientAccumulationOptimizer(
                 optimizer, accumulation_steps=accumulation_steps
             )
-        model.compile(optimizer, "mse")
+        model.compile(optimizer, "mse", **compile_kwargs)
+    return model
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_nan_input_skips_that_update_and_says_so(
+    replicas, accumulation_steps, mirrored, caplog
+):
+    # relu maps NaN to 0 on CPU, so the logged loss can stay finite while
+    # the gradient (and stock Keras's weights) turn NaN.
+    x, y = regression_data(nan_at=37)  # in the third batch of 16
+    model = nan_model(mirrored(replicas), accumulation_steps)
+    with caplog.at_level("WARNING", logger="keras_dist"):
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    # Four batches: every update but the one holding the bad batch.
+    assert int(model.optimizer.iterations.numpy()) == 4 // accumulation_steps - 1
+    skipped = 2 // accumulation_steps
+    assert f"skipped optimizer update {skipped} (0-based)" in caplog.text
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_nan_input_can_stop_training_before_the_weights_change(
+    replicas, accumulation_steps, mirrored
+):
+    x, y = regression_data(nan_at=37)
+    model = nan_model(
+        mirrored(replicas), accumulation_steps, non_finite_gradients="raise"
+    )
     with pytest.raises(
         tf.errors.InvalidArgumentError,
         match=r"all-reduced gradient is not finite \(NaN or inf\) at optimizer",
@@ -57,6 +81,42 @@ def test_nan_input_stops_training_before_the_weights_change(
     assert all(np.isfinite(w).all() for w in model.get_weights())
     # Updates before the bad batch were applied; the bad one was not.
     assert int(model.optimizer.iterations.numpy()) == 2 // accumulation_steps
+
+
+def test_terminate_on_nan_stops_a_diverging_run_on_two_replicas(mirrored):
+    # Keras's TerminateOnNaN contract (keras/src/callbacks/terminate_on_nan_
+    # test.py): the step's logs carry the non-finite loss and training stops;
+    # and here no weight is changed by the non-finite step.
+    with mirrored(2).scope():
+        model = keras_dist.DistributedModel.from_model(
+            keras.Sequential(
+                [
+                    keras.Input((1,)),
+                    keras.layers.Dense(
+                        1,
+                        kernel_initializer=keras.initializers.Constant(1e20),
+                        bias_initializer=keras.initializers.Constant(1e20),
+                    ),
+                ]
+            )
+        )
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    before = model.get_weights()
+    x = np.full((8, 1), 1e20, "float32")
+    history = model.fit(
+        x,
+        x,
+        batch_size=4,
+        epochs=3,
+        verbose=0,
+        callbacks=[keras.callbacks.TerminateOnNaN()],
+    )
+    losses = history.history["loss"]
+    assert len(losses) == 1
+    assert np.isnan(losses[0]) or np.isinf(losses[0])
+    for old, new in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(old, new)
+    assert int(model.optimizer.iterations.numpy()) == 0
 
 
 def test_stock_keras_turns_the_weights_nan_silently():
@@ -69,14 +129,14 @@ def test_stock_keras_turns_the_weights_nan_silently():
     assert not all(np.isfinite(w).all() for w in model.get_weights())
 
 
-def test_finite_check_can_be_turned_off():
+def test_non_finite_updates_can_be_applied_as_stock_keras_does():
     x, y = regression_data(nan_at=37)
     model = small_model()
-    model.compile(keras.optimizers.SGD(0.1), "mse", check_finite_gradients=False)
+    model.compile(keras.optimizers.SGD(0.1), "mse", non_finite_gradients="apply")
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     assert not all(np.isfinite(w).all() for w in model.get_weights())
-    with pytest.raises(TypeError, match="`check_finite_gradients` must be a bool"):
-        model.compile("sgd", "mse", check_finite_gradients="yes")
+    with pytest.raises(ValueError, match="`non_finite_gradients` must be one of"):
+        model.compile("sgd", "mse", non_finite_gradients=True)
 
 
 def test_finite_check_leaves_loss_scaling_alone():

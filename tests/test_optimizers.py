@@ -532,3 +532,83 @@ def test_inner_optimizer_created_outside_the_scope_is_refused(mirrored):
         )
     with pytest.raises(ValueError, match="created outside the strategy scope"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+# --- What Keras's optimizer tests expect of any optimizer ---
+
+
+def test_set_weights_sets_the_inner_optimizers_state_too():
+    # Keras's optimizer_test.py::test_set_weights: `variables` lists the
+    # wrapper's and the inner optimizer's; `set_weights` sets all of them.
+    variable = keras.Variable([[1.0, 2.0], [3.0, 4.0]])
+    optimizer = keras_dist.GradientAccumulationOptimizer(
+        keras.optimizers.Adam(0.1), accumulation_steps=1
+    )
+    optimizer.apply([tf.ones((2, 2))], [variable])
+    saved = [np.array(v.numpy()) for v in optimizer.variables]
+    optimizer.apply([tf.ones((2, 2))], [variable])
+    optimizer.set_weights(saved)
+    for value, restored in zip(saved, optimizer.variables):
+        np.testing.assert_array_equal(value, restored.numpy())
+    assert int(optimizer.iterations.numpy()) == 1
+    with pytest.raises(ValueError, match="one value per variable"):
+        optimizer.set_weights(saved[:-1])
+
+
+def test_no_gradient_at_all_is_keras_error_and_a_missing_one_its_warning():
+    # Keras's test_empty_gradients and test_mixed_with_tf_variables.
+    variable = keras.Variable([[3.0, 4.0]])
+    optimizer = keras_dist.GradientAccumulationOptimizer(keras.optimizers.SGD(1.0), 1)
+    with pytest.raises(ValueError, match=r"No gradients provided for any variable\."):
+        optimizer.apply_gradients([(None, variable)])
+    tf_variable = tf.Variable([[1.0, 2.0]])
+    with pytest.warns(UserWarning, match="Gradients do not exist for variables"):
+        optimizer.apply_gradients([(tf.ones((1, 2)), variable), (None, tf_variable)])
+    np.testing.assert_allclose(variable.numpy(), [[2.0, 3.0]])
+    np.testing.assert_allclose(tf_variable.numpy(), [[1.0, 2.0]])
+
+
+def test_numpy_and_list_gradients_are_accepted_as_by_keras():
+    # A plain optimizer takes NumPy arrays, Python lists and IndexedSlices
+    # of NumPy values; so does the wrapper (the hook works on tensors).
+    results = []
+    for wrap in (False, True):
+        dense = keras.Variable([[1.0, 2.0], [3.0, 4.0]])
+        rows = keras.Variable([[1.0, 2.0], [3.0, 4.0]])
+        optimizer = keras.optimizers.SGD(0.5)
+        if wrap:
+            optimizer = keras_dist.GradientAccumulationOptimizer(optimizer, 1)
+        sparse = tf.IndexedSlices(
+            np.array([[1.0, 1.0]], "float32"), np.array([1]), np.array([2, 2])
+        )
+        optimizer.apply_gradients([([[1.0, 1.0], [2.0, 2.0]], dense), (sparse, rows)])
+        results.append((dense.numpy(), rows.numpy()))
+    np.testing.assert_allclose(results[0], results[1])
+
+
+def test_the_optimizer_is_built_on_every_trainable_variable(tmp_path):
+    # A weight without a gradient: the optimizer still holds state for it
+    # (as stock Keras's does), so a saved model's optimizer loads whole.
+    class Unused(keras.layers.Layer):
+        def build(self, input_shape):
+            self.unused = self.add_weight(shape=(2,), initializer="ones")
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    model = keras_dist.DistributedModel(inputs, Unused()(inputs))
+    model.compile(keras.optimizers.Adam(0.1), "mse")
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    with pytest.warns(UserWarning, match="Gradients do not exist for variables"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    stock = keras.Model(inputs, model.outputs)
+    stock.compile(keras.optimizers.Adam(0.1), "mse")
+    stock.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert len(model.optimizer.variables) == len(stock.optimizer.variables)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path, custom_objects={"Unused": Unused})
+    assert int(loaded.optimizer.iterations.numpy()) == 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_dist.core.aggregation import as_gradient
 from keras_dist.core.collectives import all_reduce
 
 
@@ -83,7 +84,8 @@ class AccumulationCycle:
         for accumulator, grad in zip(accumulators, grads):
             weight = tf.cast(examples * replicas, accumulator.dtype)
             accumulator.assign_add(
-                tf.cast(tf.convert_to_tensor(grad), accumulator.dtype) * weight
+                tf.cast(tf.convert_to_tensor(as_gradient(grad)), accumulator.dtype)
+                * weight
             )
         self.examples.assign_add(examples)
 

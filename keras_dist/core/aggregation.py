@@ -97,7 +97,7 @@ def reduce_gradients(gradients, variables, hook, batch_size=None, view=None):
     pairs = [(g, v) for g, v in zip(gradients, variables) if g is not None]
     if not pairs:
         return [], [], []
-    grads = [g for g, _ in pairs]
+    grads = [as_gradient(g) for g, _ in pairs]
     trainable = [v for _, v in pairs]
     if batch_size is not None:
         grads = weight_by_batch_share(grads, batch_size)
@@ -116,6 +116,24 @@ def reduce_gradients(gradients, variables, hook, batch_size=None, view=None):
     reduced = list(reduced)
     _check_reduced(hook, grads, reduced, trainable)
     return grads, trainable, reduced
+
+
+def as_gradient(gradient):
+    """`gradient` as a tensor, or a `tf.IndexedSlices` of tensors.
+
+    Optimizers accept NumPy arrays and Python lists as gradients, and
+    `tf.IndexedSlices` whose values are NumPy arrays; the hooks work on
+    tensors.
+    """
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.convert_to_tensor(gradient.values),
+            tf.convert_to_tensor(gradient.indices),
+            None
+            if gradient.dense_shape is None
+            else tf.convert_to_tensor(gradient.dense_shape),
+        )
+    return tf.convert_to_tensor(gradient)
 
 
 def _check_reduced(hook, gradients, reduced, variables) -> None:
@@ -157,13 +175,34 @@ def _dense_shape(tensor) -> tf.TensorShape:
     return tf.TensorShape(tensor.shape)
 
 
-def assert_finite(gradients, iterations):
-    """An op that fails when any reduced gradient is NaN or infinite.
+NON_FINITE_GRADIENTS = ("skip", "raise", "apply")
+"""What an update does when the all-reduced gradient holds NaN or inf:
 
-    The reduced gradients are identical on every replica and worker, so all
-    of them stop at the same step, with this message.
-    """
-    finite = tf.reduce_all(
+- `"skip"`: no update (weights, slots and `iterations` stay as they were),
+  a warning names the update, and training goes on; the step's logs carry
+  its loss as computed, so `keras.callbacks.TerminateOnNaN` stops a run
+  whose loss is not finite, as with stock Keras.
+- `"raise"`: the step fails with an error naming the update, before any
+  weight changes.
+- `"apply"`: the update is applied, NaN included (stock Keras).
+"""
+
+
+def check_non_finite_gradients(value, argument="non_finite_gradients") -> str:
+    """Returns `value` if it is one of `NON_FINITE_GRADIENTS`, else raises."""
+    if value not in NON_FINITE_GRADIENTS:
+        raise ValueError(
+            f"`{argument}` must be one of {list(NON_FINITE_GRADIENTS)}. "
+            f'Received: {argument}={value!r}. "skip" (the default) keeps '
+            'the weights and goes on, "raise" stops training, "apply" '
+            "applies the update as stock Keras does."
+        )
+    return value
+
+
+def all_finite(gradients):
+    """A boolean scalar: every entry of every gradient is finite."""
+    return tf.reduce_all(
         [
             tf.reduce_all(
                 tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g)
@@ -171,17 +210,66 @@ def assert_finite(gradients, iterations):
             for g in gradients
         ]
     )
+
+
+def apply_if_finite(reduced, apply, on_skip=None):
+    """Runs `apply(reduced)` only where every reduced gradient is finite.
+
+    Runs in replica context. The decision is a `tf.cond` in cross-replica
+    context, reached through one unconditional `merge_call` (a cond in
+    replica context cannot hold the optimizer's own `merge_call`), as
+    Keras's `LossScaleOptimizer` does. The reduced gradients are the same on
+    every replica and worker, so all of them decide alike.
+
+    Args:
+        reduced: List of the all-reduced gradients.
+        apply: Callable `apply(reduced)`, run in replica context when they
+            are all finite.
+        on_skip: Callable or `None`. Run (cross-replica context) instead of
+            `apply` otherwise.
+
+    Returns:
+        A boolean scalar: whether `apply` ran.
+    """
+
+    def cross_replica(strategy, reduced):
+        finite = strategy.experimental_local_results(
+            strategy.extended.call_for_each_replica(all_finite, args=(reduced,))
+        )[0]
+
+        def update():
+            strategy.extended.call_for_each_replica(apply, args=(reduced,))
+            return tf.constant(True)
+
+        def skip():
+            if on_skip is not None:
+                on_skip()
+            return tf.constant(False)
+
+        return tf.cond(finite, update, skip)
+
+    return tf.distribute.get_replica_context().merge_call(
+        cross_replica, args=(reduced,)
+    )
+
+
+def assert_finite(gradients, iterations):
+    """An op that fails when any reduced gradient is NaN or infinite.
+
+    The reduced gradients are identical on every replica and worker, so all
+    of them stop at the same step, with this message.
+    """
     return tf.debugging.Assert(
-        finite,
+        all_finite(gradients),
         [
             "keras_dist: the all-reduced gradient is not finite (NaN or inf) at "
             "optimizer update",
             iterations,
             "(0-based). The weights were not updated. Usual causes: NaN or inf "
             "in the input data, a learning rate that diverged, a loss that "
-            "overflows. Turn the check off with "
-            "model.compile(..., check_finite_gradients=False) (tf_keras: "
-            "DistributedOptimizer(..., check_finite_gradients=False)).",
+            "overflows. To skip such updates instead, pass "
+            "non_finite_gradients='skip' (the default of "
+            "DistributedModel.compile and tf_keras DistributedOptimizer).",
         ],
         summarize=1,
     )

@@ -7,7 +7,7 @@ import logging
 
 import keras
 
-from keras_dist import _validation, state
+from keras_dist import state
 from keras_dist._compat import keras_src as _compat
 from keras_dist.core import aggregation
 from keras_dist.core.hooks import AllReduceHook
@@ -36,7 +36,7 @@ class DistributedTrainerMixin(
     def __init__(self, *args, all_reduce_hook=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._set_hook(all_reduce_hook)
-        self._keras_dist_check_finite = True
+        self._keras_dist_non_finite = "skip"
 
     def _set_hook(self, hook):
         if hook is not None:
@@ -100,7 +100,7 @@ class DistributedTrainerMixin(
         optimizer="rmsprop",
         *args,
         auto_scale_loss=True,
-        check_finite_gradients=True,
+        non_finite_gradients="skip",
         **kwargs,
     ):
         """Configures the model for training; see `keras.Model.compile`.
@@ -118,14 +118,20 @@ class DistributedTrainerMixin(
             auto_scale_loss: Bool. As in Keras: under `mixed_float16`, add
                 loss scaling (inside a `GradientAccumulationOptimizer`, see
                 above). Defaults to `True`.
-            check_finite_gradients: Bool. Stop training with an error naming
-                the update, before the weights change, when the all-reduced
-                gradient holds NaN or inf (NaN in the data can leave the
-                logged loss finite while it turns the weights into NaN). Not
-                done under loss scaling (the `LossScaleOptimizer` skips such
-                steps itself) nor with `jit_compile=True` (XLA has no assert
-                op). It costs one pass over the reduced gradient per update
-                (`benchmarks/finite_check.py`). Defaults to `True`.
+            non_finite_gradients: String, what an update does when the
+                all-reduced gradient holds NaN or inf (NaN in the data can
+                leave the logged loss finite while it would turn the weights
+                into NaN). `"skip"`: no update (weights, optimizer state and
+                `iterations` unchanged), a warning names the update, training
+                goes on, and the step's logs carry its loss as computed, so
+                `keras.callbacks.TerminateOnNaN` stops a run whose loss is
+                not finite, as with stock Keras. `"raise"`: stop with an
+                error naming the update, before the weights change (with
+                `jit_compile=True`, which has no assert op, `"apply"`).
+                `"apply"`: apply it, as stock Keras does. Under loss scaling
+                the `LossScaleOptimizer` skips such steps itself. `"skip"`
+                and `"raise"` cost one pass over the reduced gradient per
+                update. Defaults to `"skip"`.
             **kwargs: Further arguments of `keras.Model.compile` (`loss`,
                 `metrics`, `steps_per_execution`, ...).
 
@@ -135,8 +141,8 @@ class DistributedTrainerMixin(
                 loss scaling is already built, so it cannot be added.
         """
         optimizer = _loss_scaling_inside_accumulation(keras.optimizers.get(optimizer))
-        self._keras_dist_check_finite = _validation.check_bool(
-            "check_finite_gradients", check_finite_gradients
+        self._keras_dist_non_finite = aggregation.check_non_finite_gradients(
+            non_finite_gradients
         )
         if (
             auto_scale_loss

@@ -97,13 +97,20 @@ class StepMixin:
             )
         variables = list(variables)
         hook = self._training_hook()
-        check_finite = self._keras_dist_check_finite and not self.jit_compile
+        # XLA has no assert op: "raise" applies under `jit_compile`.
+        non_finite = self._keras_dist_non_finite
+        if non_finite == "raise" and self.jit_compile:
+            non_finite = "apply"
         self._ensure_built(hook, variables)
         accumulator = find_accumulator(self.optimizer)
         if accumulator is not None:
             # Accumulate locally; reduce with the hook only on update steps.
             accumulator.accumulate_and_apply(
-                gradients, variables, hook, batch_size, check_finite=check_finite
+                gradients,
+                variables,
+                hook,
+                batch_size,
+                non_finite_gradients=non_finite,
             )
         else:
             _apply.reduce_and_apply(
@@ -112,7 +119,7 @@ class StepMixin:
                 variables,
                 hook,
                 batch_size,
-                check_finite=check_finite,
+                non_finite_gradients=non_finite,
             )
 
     def _training_hook(self) -> AllReduceHook:
