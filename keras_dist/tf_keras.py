@@ -9,8 +9,8 @@ Keras 3 pieces (`keras_dist.core`: aggregation, accumulation, hooks). It
 imports no Keras 3 module itself (with `TF_USE_LEGACY_KERAS=1`, the usual
 setting of tf_keras programs, `import keras_dist.tf_keras` loads none).
 
-Needs `pip install "keras-dist[tfmot]"` (tf_keras, and tfmot for the pruning
-and quantization pieces). `import keras_dist` imports neither.
+Needs `pip install ".[tfmot]"` in the keras_dist clone (tf_keras, and tfmot
+for the pruning and quantization pieces). `import keras_dist` imports neither.
 
 Example (Horovod's `hvd.DistributedOptimizer(opt, compression=fp16,
 backward_passes_per_step=2)`):
@@ -52,10 +52,12 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the install
     raise ImportError(
         "keras_dist.tf_keras needs the tf_keras package (Keras 2), which is "
-        'not installed. Install it with `pip install "keras-dist[tfmot]"`.'
+        'not installed. Install it with `pip install ".[tfmot]"` in the '
+        "keras_dist clone."
     ) from error
 
 from keras_dist._backend import legacy_keras
+from keras_dist._compat import tf_keras_src
 from keras_dist._validation import check_int
 from keras_dist.core import accumulation, aggregation
 from keras_dist.core.hooks import AllReduceHook
@@ -96,7 +98,7 @@ def import_tfmot():
     except ImportError as error:
         raise ImportError(
             "tensorflow-model-optimization is not installed. Install it with "
-            '`pip install "keras-dist[tfmot]"`.'
+            '`pip install ".[tfmot]"` in the keras_dist clone.'
         ) from error
     finally:
         if previous is None:
@@ -249,7 +251,7 @@ class _Settings:
     """
 
     steps: int = 1
-    non_finite: str = "skip"
+    non_finite: str = "apply"
     cycle: object = None
 
 
@@ -259,7 +261,8 @@ class _DistributedMixin:
     The hook is a tracked attribute (`tf.train.Checkpoint` saves its state
     with the optimizer); the rest is one untracked `_Settings`. An optimizer
     made by `from_config` of this class (tf_keras's `clone_and_build_model`)
-    trains with the defaults: a plain sum, no accumulation.
+    trains as the plain optimizer would: a plain sum, no accumulation, a
+    non-finite update applied.
     """
 
     @property
@@ -456,11 +459,13 @@ def _distributed_class(base):
     # the optimizer by them, so a saved model loads with the plain optimizer
     # (its slots and `iterations` included; the accumulators are not part
     # of the model file: `tf.train.Checkpoint` saves them).
-    return type(
+    cls = type(
         base.__name__,
         (_DistributedMixin, base),
         {"__module__": base.__module__, "__qualname__": base.__qualname__},
     )
+    tf_keras_src.save_under_the_name_of(cls, base)
+    return cls
 
 
 class UpdatePruningStep(tf_keras.callbacks.Callback):

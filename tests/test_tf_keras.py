@@ -293,4 +293,92 @@ def test_without_tf_keras_the_error_says_what_to_install():
         timeout=120,
     )
     assert completed.returncode != 0
-    assert 'pip install "keras-dist[tfmot]"' in completed.stderr
+    assert 'pip install ".[tfmot]"' in completed.stderr
+
+
+# --- What tf_keras's optimizer tests expect of any optimizer (issue 26 G-K) ---
+
+
+def test_the_instance_is_wrapped_with_what_no_config_carries():
+    class Warmup(tf_keras.optimizers.schedules.LearningRateSchedule):
+        # Not registered: a config round trip could not rebuild it.
+        def __call__(self, step):
+            return 0.1 * tf.cast(step + 1, tf.float32)
+
+        def get_config(self):
+            return {}
+
+    x, y = tkw.data()
+    for make in (
+        lambda: tf_keras.optimizers.SGD(Warmup(), momentum=0.5),
+        # A callable hyperparameter (legacy optimizers read it every step).
+        lambda: tf_keras.optimizers.legacy.SGD(lambda: 0.05, momentum=lambda: 0.5),
+    ):
+        plain = make()
+        wrapped = DistributedOptimizer(plain, accumulation_steps=1)
+        assert wrapped is plain
+        model = tkw.mlp(wrapped)
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        reference = tkw.mlp(make())
+        reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+    # tf_keras's clone_and_build_model rebuilds the optimizer from its
+    # config: the clone is whole and trains like the plain optimizer.
+    clone = type(DistributedOptimizer(tf_keras.optimizers.Adam(0.01))).from_config(
+        tf_keras.optimizers.Adam(0.01).get_config()
+    )
+    clone_model = tkw.mlp(clone)
+    clone_model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert clone.accumulation_steps == 1
+    assert isinstance(clone.all_reduce_hook, keras_dist.compression.NoCompression)
+
+
+def test_a_legacy_optimizer_trains_on_batch_under_mirrored_collectives():
+    # TensorFlow's default cross-device ops for MirroredStrategy (not the
+    # fixture's ReductionToOneDevice).
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    x, y = tkw.data()
+    with strategy.scope():
+        model = tkw.mlp(DistributedOptimizer(tf_keras.optimizers.legacy.Adam(0.01)))
+    model.train_on_batch(x[:32], y[:32])
+    assert int(model.optimizer.iterations.numpy()) == 1
+
+
+def test_it_can_be_made_in_a_tf1_graph():
+    with tf.Graph().as_default():
+        optimizer = DistributedOptimizer(tf_keras.optimizers.SGD(0.1))
+        assert optimizer.accumulation_steps == 1
+
+
+@pytest.mark.parametrize("name", ["Adafactor", "Lion"])
+def test_an_h5_model_with_a_wrapped_optimizer_loads(tmp_path, name):
+    x, y = tkw.data()
+    model = tkw.mlp(DistributedOptimizer(getattr(tf_keras.optimizers, name)()))
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    model.save(tmp_path / "model.h5")
+    loaded = tf_keras.models.load_model(tmp_path / "model.h5")
+    assert type(loaded.optimizer).__name__ == name
+
+
+def test_numpy_gradients_and_no_gradients_behave_as_in_tf_keras():
+    variable = tf.Variable([[1.0, 2.0], [3.0, 4.0]])
+    optimizer = DistributedOptimizer(tf_keras.optimizers.SGD(0.5))
+    sparse = tf.IndexedSlices(
+        np.array([[1.0, 1.0]], "float32"), np.array([1]), np.array([2, 2])
+    )
+    optimizer.apply_gradients([(sparse, variable)])
+    optimizer.apply_gradients([([[1.0, 1.0], [1.0, 1.0]], variable)])
+    np.testing.assert_allclose(variable.numpy(), [[0.5, 1.5], [2.0, 3.0]])
+    with pytest.raises(ValueError, match="No gradients provided for any variable"):
+        optimizer.apply_gradients([(None, variable)])
+
+
+def test_a_non_finite_update_is_skipped_by_default(mirrored):
+    x, y = tkw.data()
+    x = x.copy()
+    x[40] = np.inf
+    with mirrored(2).scope():
+        model = tkw.mlp(DistributedOptimizer(tf_keras.optimizers.SGD(0.1)))
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert int(model.optimizer.iterations.numpy()) == len(x) // 32 - 1
