@@ -292,3 +292,34 @@ def test_build_from_epoch_iterator_builds_metrics_and_keeps_every_batch():
     assert build.built
     assert int(model.optimizer.iterations.numpy()) == 3  # no batch lost
     assert history.history["mae"] == [0.0]
+
+
+def test_collective_keys_live_where_we_replace_them():
+    # `keras_dist/_compat/tf_internal.py`: a strategy's collective keys and
+    # the `CollectiveAllReduce` objects made with them.
+    from tensorflow.python.distribute import cross_device_ops, cross_device_utils
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    extended = strategy.extended
+    assert isinstance(extended._collective_keys, cross_device_utils.CollectiveKeys)
+    ops = extended._collective_ops
+    assert isinstance(ops, cross_device_ops.CollectiveAllReduce)
+    assert ops._collective_keys is extended._collective_keys
+    for name in ("_devices", "_group_size", "_options"):
+        assert hasattr(ops, name), name
+    assert tf_internal.rekey_collectives(strategy, 700_000)
+    assert extended._collective_ops._launchers[0]._group_key == 700_001
+
+
+def test_tf_keras_registered_names_are_where_we_extend_them():
+    # `keras_dist/_compat/tf_keras_src.py`.
+    import tf_keras
+    from tf_keras.src.saving import object_registration
+
+    from keras_dist._compat import tf_keras_src
+
+    assert isinstance(object_registration._GLOBAL_CUSTOM_NAMES, dict)
+    base = tf_keras.optimizers.Adafactor
+    subclass = type("Adafactor", (base,), {})
+    tf_keras_src.save_under_the_name_of(subclass, base)
+    assert object_registration.get_registered_name(subclass) == "Custom>Adafactor"
