@@ -48,6 +48,7 @@ import tensorflow as tf
 
 from keras_dist import cluster as cluster_lib
 from keras_dist._validation import check_int, check_real
+from keras_dist.core import collectives, topology
 from keras_dist.parameter_server import serving
 
 logger = logging.getLogger(__name__)
@@ -323,14 +324,41 @@ def auto_strategy(
     logger.info("auto_strategy chose %s: %s.", choice.name, choice.reason)
     _log_unused_options(choice, cross_device_ops, communication_options)
     if variable_partitioner is not None and choice.name != "ParameterServerStrategy":
-        logger.info(
-            "auto_strategy: %s does not use variable_partitioner (it is for "
-            "ParameterServerStrategy).",
+        logger.warning(
+            "auto_strategy: %s does not use variable_partitioner, which splits "
+            "variables across parameter servers: it is ignored. Remove it, or "
+            "run a parameter-server cluster (TF_CONFIG with `ps` tasks, "
+            "`keras-dist launch --ps M`).",
             choice.name,
         )
     communication_options = _with_collective_timeout(
         communication_options, collective_timeout
     )
+    strategy = _build(
+        choice,
+        cpu_replicas,
+        cross_device_ops,
+        communication_options,
+        variable_partitioner,
+        startup_timeout,
+    )
+    if isinstance(strategy, tf.distribute.Strategy):
+        topology.remember_auto_strategy(strategy)
+        # Before any variable or collective of it: its collectives get keys
+        # no other strategy of this process uses.
+        collectives.own(strategy)
+    return strategy
+
+
+def _build(
+    choice,
+    cpu_replicas,
+    cross_device_ops,
+    communication_options,
+    variable_partitioner,
+    startup_timeout,
+):
+    """The strategy `auto_strategy` chose, built."""
     if cpu_replicas is not None:
         return _cpu_mirrored(cpu_replicas, cross_device_ops)
     if choice.name == "TPUStrategy":

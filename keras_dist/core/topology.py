@@ -1,6 +1,22 @@
-"""Where this process sits in a strategy: its replicas, the workers."""
+"""Where this process sits in a strategy: its replicas, the workers, and
+the strategy `keras_dist.auto_strategy` set it up with."""
 
 from __future__ import annotations
+
+import weakref
+
+_auto_strategy = [None]
+
+
+def remember_auto_strategy(strategy) -> None:
+    """Records the strategy `auto_strategy` built (held weakly)."""
+    _auto_strategy[0] = weakref.ref(strategy)
+
+
+def auto_strategy_built():
+    """The strategy `auto_strategy` last built in this process, or `None`."""
+    reference = _auto_strategy[0]
+    return None if reference is None else reference()
 
 
 def local_replicas(strategy) -> int:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+import weakref
+
 import keras
 import tensorflow as tf
 
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
-from keras_dist.core import collectives
+from keras_dist.core import collectives, topology
 from keras_dist.parameter_server import training as _parameter_server
 
 
@@ -42,6 +45,7 @@ class FunctionsMixin:
 
     def _check_strategy(self):
         strategy = self.distribute_strategy
+        check_scopes(self)
         if self.jit_compile and strategy.num_replicas_in_sync > 1:
             # Stock Keras fails here too, later and opaquely (XLA cannot
             # compile the cross-replica step: "Graph execution error").
@@ -215,3 +219,52 @@ def _flatten_logs(logs):
         else:
             flat[key] = value
     return flat
+
+
+_warned = weakref.WeakSet()
+
+
+def check_scopes(model) -> None:
+    """Refuses a model fitted in another strategy's scope than its own, and
+    warns (once per model) when it trains on fewer replicas than the
+    strategy `keras_dist.auto_strategy()` built.
+
+    Both are a model created outside `strategy.scope()`: it holds plain
+    variables and trains on one device, or TensorFlow fails with "Mixing
+    different tf.distribute.Strategy objects".
+    """
+    strategy = _compat.model_strategy(model)  # `None`: outside every scope
+    current = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    if current is not None and current is not strategy:
+        raise ValueError(
+            f"The model {model.name!r} was created under "
+            f"{_describe(strategy)} but is used inside the scope of "
+            f"{_describe(current)}. Create (and compile) the model inside "
+            "`with strategy.scope():` of the strategy it trains with, or wrap "
+            "an existing model there with "
+            "`keras_dist.DistributedModel.from_model(model)` (its variables "
+            "must be created in that scope too)."
+        )
+    replicas = 1 if strategy is None else strategy.num_replicas_in_sync
+    built = topology.auto_strategy_built()
+    if (
+        built is not None
+        and built is not strategy
+        and built.num_replicas_in_sync > replicas
+        and model not in _warned
+    ):
+        _warned.add(model)
+        warnings.warn(
+            f"The model {model.name!r} was created under {_describe(strategy)}, "
+            f"not under the {_describe(built)} that keras_dist.auto_strategy() "
+            f"built: it trains on {replicas} replica(s) instead of "
+            f"{built.num_replicas_in_sync}. Create and compile the model inside "
+            "`with strategy.scope():`.",
+            stacklevel=4,
+        )
+
+
+def _describe(strategy) -> str:
+    if strategy is None or type(strategy).__name__ == "_DefaultDistributionStrategy":
+        return "no strategy scope (one device)"
+    return f"{type(strategy).__name__} ({strategy.num_replicas_in_sync} replicas)"

@@ -15,7 +15,7 @@ from keras_dist.core.plain import NoCompression
 from keras_dist.optimizers import GradientAccumulationOptimizer
 from keras_dist.parameter_server import training as _parameter_server
 from keras_dist.trainer.fit import FitMixin
-from keras_dist.trainer.functions import FunctionsMixin
+from keras_dist.trainer.functions import FunctionsMixin, check_scopes
 from keras_dist.trainer.saving import SavingMixin
 from keras_dist.trainer.steps import StepMixin
 
@@ -168,6 +168,7 @@ class DistributedTrainerMixin(
                 )
             auto_scale_loss = False
         super().compile(optimizer, *args, auto_scale_loss=auto_scale_loss, **kwargs)
+        check_scopes(self)
         _parameter_server.reset_functions(self)
 
     def compile_from_config(self, config):
