@@ -9,48 +9,33 @@ with the Keras optimizer, whose own cross-replica sum is switched off
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 import keras
 import tensorflow as tf
 
 from keras_dist._compat import keras_src
-from keras_dist.core.aggregation import (
-    apply_if_finite,
-    assert_finite,
-    reduce_gradients,
-)
+from keras_dist.core.aggregation import apply_reduced, reduce_gradients
 from keras_dist.core.hooks import AllReduceHook
-from keras_dist.core.optimizer_view import OptimizerView, nested_optimizers
+from keras_dist.core.optimizer_view import OptimizerView, view_of
 from keras_dist.core.statistics import gradient_statistics
-
-logger = logging.getLogger(__name__)
 
 
 def optimizer_view(optimizer) -> OptimizerView:
     """What the hooks may know of a Keras 3 optimizer (`OptimizerView`)."""
-    optimizers = tuple(nested_optimizers(optimizer))
-    loss_scaler = next(
-        (
-            nested
-            for nested in optimizers
-            if isinstance(nested, keras.optimizers.LossScaleOptimizer)
-        ),
-        None,
+    return view_of(
+        optimizer,
+        keras.optimizers.LossScaleOptimizer,
+        _current_scale,
+        sgd="keras.optimizers.SGD",
     )
-    loss_scale = None
-    if loss_scaler is not None:
 
-        def loss_scale():
-            # The same choice as `LossScaleOptimizer.scale_loss`.
-            if loss_scaler.built:
-                return tf.convert_to_tensor(loss_scaler.dynamic_scale)
-            return tf.constant(loss_scaler.initial_scale, tf.float32)
 
-    return OptimizerView(
-        optimizers=optimizers, loss_scale=loss_scale, sgd="keras.optimizers.SGD"
-    )
+def _current_scale(loss_scaler):
+    # The same choice as `LossScaleOptimizer.scale_loss`.
+    if loss_scaler.built:
+        return tf.convert_to_tensor(loss_scaler.dynamic_scale)
+    return tf.constant(loss_scaler.initial_scale, tf.float32)
 
 
 def filter_empty_gradients(gradients, variables):
@@ -147,32 +132,12 @@ def reduce_and_apply(
         with keras_src.optimizer_all_reduce_disabled(optimizer):
             optimizer.apply(reduced, trainable)
 
-    if view.loss_scale is not None or non_finite_gradients == "apply":
-        apply(reduced)
-    elif non_finite_gradients == "raise":
-        # The assert runs before any update (tf.function also orders
-        # stateful ops in program order), so a failing step leaves the
-        # weights as they were.
-        with tf.control_dependencies([assert_finite(reduced, optimizer.iterations)]):
-            apply(reduced)
-    else:
-        apply_if_finite(
-            reduced, apply, on_skip=lambda: _warn_skipped(optimizer.iterations)
-        )
+    apply_reduced(
+        reduced,
+        apply,
+        non_finite_gradients,
+        optimizer.iterations,
+        loss_scaled=view.loss_scale is not None,
+        how_to_raise="compile(..., non_finite_gradients='raise')",
+    )
     return reduced
-
-
-def _warn_skipped(iterations) -> None:
-    """Logs, when the step runs, that the update `iterations` was skipped."""
-
-    def warn(update):
-        logger.warning(
-            "keras_dist: skipped optimizer update %d (0-based): the all-reduced "
-            "gradient is not finite (NaN or inf). The weights were not changed. "
-            "Usual causes: NaN or inf in the input data, a learning rate that "
-            "diverged, a loss that overflows. compile(..., "
-            "non_finite_gradients='raise') stops training instead.",
-            int(update),
-        )
-
-    tf.py_function(warn, [tf.convert_to_tensor(iterations)], [])

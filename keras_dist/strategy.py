@@ -37,6 +37,7 @@ with strategy.scope():
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -189,6 +190,26 @@ def describe_choice(
     return StrategyChoice("DefaultStrategy", reason)
 
 
+def _remembered(build):
+    """Records what `auto_strategy` builds and gives it its collective keys.
+
+    Before any variable or collective of it, so its collectives never meet
+    another strategy's (`keras_dist.core.collectives.own`); the record lets
+    `DistributedModel` warn about a model built outside its scope.
+    """
+
+    @functools.wraps(build)
+    def auto_strategy(*args, **kwargs):
+        strategy = build(*args, **kwargs)
+        if isinstance(strategy, tf.distribute.Strategy):
+            topology.remember_auto_strategy(strategy)
+            collectives.own(strategy)
+        return strategy
+
+    return auto_strategy
+
+
+@_remembered
 def auto_strategy(
     cpu_replicas: int | None = None,
     *,
@@ -334,31 +355,6 @@ def auto_strategy(
     communication_options = _with_collective_timeout(
         communication_options, collective_timeout
     )
-    strategy = _build(
-        choice,
-        cpu_replicas,
-        cross_device_ops,
-        communication_options,
-        variable_partitioner,
-        startup_timeout,
-    )
-    if isinstance(strategy, tf.distribute.Strategy):
-        topology.remember_auto_strategy(strategy)
-        # Before any variable or collective of it: its collectives get keys
-        # no other strategy of this process uses.
-        collectives.own(strategy)
-    return strategy
-
-
-def _build(
-    choice,
-    cpu_replicas,
-    cross_device_ops,
-    communication_options,
-    variable_partitioner,
-    startup_timeout,
-):
-    """The strategy `auto_strategy` chose, built."""
     if cpu_replicas is not None:
         return _cpu_mirrored(cpu_replicas, cross_device_ops)
     if choice.name == "TPUStrategy":

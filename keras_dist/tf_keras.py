@@ -61,7 +61,7 @@ from keras_dist._compat import tf_keras_src
 from keras_dist._validation import check_int
 from keras_dist.core import accumulation, aggregation
 from keras_dist.core.hooks import AllReduceHook
-from keras_dist.core.optimizer_view import OptimizerView, nested_optimizers
+from keras_dist.core.optimizer_view import OptimizerView, view_of
 from keras_dist.core.plain import NoCompression
 
 __all__ = ["DistributedOptimizer", "UpdatePruningStep", "import_tfmot"]
@@ -324,17 +324,14 @@ class _DistributedMixin:
                     skip_gradients_aggregation=True,
                 )
 
-        non_finite = self._settings.non_finite
-        if view.loss_scale is not None or non_finite == "apply":
-            apply(reduced)
-        elif non_finite == "raise":
-            check = aggregation.assert_finite(reduced, self.iterations)
-            with tf.control_dependencies([check]):
-                apply(reduced)
-        else:
-            aggregation.apply_if_finite(
-                reduced, apply, on_skip=lambda: _warn_skipped(self.iterations)
-            )
+        aggregation.apply_reduced(
+            reduced,
+            apply,
+            self._settings.non_finite,
+            self.iterations,
+            loss_scaled=view.loss_scale is not None,
+            how_to_raise="DistributedOptimizer(..., non_finite_gradients='raise')",
+        )
 
     def _keras_dist_build(self, variables):
         """Creates the hook's state and the accumulators, in cross-replica context."""
@@ -416,40 +413,13 @@ def _filter_empty_gradients(grads_and_vars):
     return [g for g, _ in kept], [v for _, v in kept]
 
 
-def _warn_skipped(iterations) -> None:
-    """Logs, when the step runs, that the update `iterations` was skipped."""
-
-    def warn(update):
-        logger.warning(
-            "keras_dist: skipped optimizer update %d (0-based): the all-reduced "
-            "gradient is not finite (NaN or inf). The weights were not changed. "
-            "DistributedOptimizer(..., non_finite_gradients='raise') stops "
-            "training instead.",
-            int(update),
-        )
-
-    tf.py_function(warn, [tf.convert_to_tensor(iterations)], [])
-
-
 def _optimizer_view(optimizer) -> OptimizerView:
     """What the hooks may know of a tf_keras optimizer (`OptimizerView`)."""
-    optimizers = tuple(nested_optimizers(optimizer))
-    scaler = next(
-        (
-            nested
-            for nested in optimizers
-            if isinstance(nested, tf_keras.mixed_precision.LossScaleOptimizer)
-        ),
-        None,
-    )
-    loss_scale = None
-    if scaler is not None:
-
-        def loss_scale():
-            return tf.cast(scaler.loss_scale, tf.float32)
-
-    return OptimizerView(
-        optimizers=optimizers, loss_scale=loss_scale, sgd="tf_keras.optimizers.SGD"
+    return view_of(
+        optimizer,
+        tf_keras.mixed_precision.LossScaleOptimizer,
+        lambda scaler: tf.cast(scaler.loss_scale, tf.float32),
+        sgd="tf_keras.optimizers.SGD",
     )
 
 

@@ -13,10 +13,14 @@ clips each replica's gradient before its all-reduce).
 
 from __future__ import annotations
 
+import logging
+
 import tensorflow as tf
 
 from keras_dist.core.collectives import all_reduce, replica_context
 from keras_dist.core.hooks import AllReduceHook, _variable_name
+
+logger = logging.getLogger(__name__)
 
 
 def check_hook(hook, argument="all_reduce_hook") -> AllReduceHook:
@@ -251,6 +255,48 @@ def apply_if_finite(reduced, apply, on_skip=None):
     return tf.distribute.get_replica_context().merge_call(
         cross_replica, args=(reduced,)
     )
+
+
+def apply_reduced(reduced, apply, non_finite, iterations, loss_scaled, how_to_raise):
+    """Applies the reduced gradients as `non_finite` says (replica context).
+
+    Args:
+        reduced: List of the all-reduced gradients.
+        apply: Callable `apply(reduced)`: the front end's optimizer update.
+        non_finite: String, one of `NON_FINITE_GRADIENTS`.
+        iterations: The optimizer's update counter (named in messages).
+        loss_scaled: Bool. A loss-scaling optimizer decides itself: apply.
+        how_to_raise: String. How this front end asks for `"raise"`, for
+            the warning of a skipped update.
+    """
+    if loss_scaled or non_finite == "apply":
+        apply(reduced)
+    elif non_finite == "raise":
+        # The assert runs before any update (tf.function also orders
+        # stateful ops in program order), so a failing step leaves the
+        # weights as they were.
+        with tf.control_dependencies([assert_finite(reduced, iterations)]):
+            apply(reduced)
+    else:
+        apply_if_finite(
+            reduced, apply, on_skip=lambda: _warn_skipped(iterations, how_to_raise)
+        )
+
+
+def _warn_skipped(iterations, how_to_raise) -> None:
+    """Logs, when the step runs, that the update `iterations` was skipped."""
+
+    def warn(update):
+        logger.warning(
+            "keras_dist: skipped optimizer update %d (0-based): the all-reduced "
+            "gradient is not finite (NaN or inf). The weights were not changed. "
+            "Usual causes: NaN or inf in the input data, a learning rate that "
+            "diverged, a loss that overflows. %s stops training instead.",
+            int(update),
+            how_to_raise,
+        )
+
+    tf.py_function(warn, [tf.convert_to_tensor(iterations)], [])
 
 
 def assert_finite(gradients, iterations):

@@ -40,3 +40,19 @@ class OptimizerView:
     optimizers: tuple
     loss_scale: Callable | None = None
     sgd: str = "keras.optimizers.SGD"
+
+
+def view_of(optimizer, loss_scaler_type, read_scale, sgd) -> OptimizerView:
+    """The `OptimizerView` of `optimizer`, for a front end's classes.
+
+    Args:
+        optimizer: The optimizer (possibly wrapped).
+        loss_scaler_type: The front end's loss-scaling optimizer class.
+        read_scale: Callable `read_scale(loss_scaler)` returning its current
+            scale as a float32 tensor.
+        sgd: String. The front end's plain SGD class, for messages.
+    """
+    optimizers = tuple(nested_optimizers(optimizer))
+    scaler = next((o for o in optimizers if isinstance(o, loss_scaler_type)), None)
+    loss_scale = None if scaler is None else (lambda: read_scale(scaler))
+    return OptimizerView(optimizers=optimizers, loss_scale=loss_scale, sgd=sgd)
