@@ -31,7 +31,7 @@ Usage:
     python examples/prune_distributed.py            # 8 epochs, about a minute
     python examples/prune_distributed.py --smoke    # 3 epochs, for the tests
 
-Needs `pip install "keras-dist[tfmot]"`.
+Needs `pip install ".[tfmot]"` in the keras_dist clone.
 """
 
 import argparse

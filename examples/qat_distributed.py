@@ -10,8 +10,9 @@ model with int8 weights and activations (the fake-quant ranges learned in
 training replace a representative dataset); the example runs it with the
 TFLite interpreter and prints its test accuracy next to the float model's.
 
-Needs `pip install "keras-dist[tfmot]"`. Data: scikit-learn's bundled digits
-(8x8), shuffled with a fixed seed, 1500 to train and 297 to test.
+Needs `pip install ".[tfmot]"` in the keras_dist clone. Data: scikit-learn's
+bundled digits (8x8), shuffled with a fixed seed, 1500 to train and 297 to
+test.
 
     python examples/qat_distributed.py                      # 8 epochs
     python examples/qat_distributed.py --cpu-replicas 4     # 4 logical CPUs

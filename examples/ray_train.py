@@ -7,7 +7,7 @@ and `DistributedModel.fit` trains across the workers. Every epoch's logs
 (`loss`, `accuracy`, `compression_ratio`) go to `ray.train.report`, so they
 show up in Ray's `Result`.
 
-    pip install "keras-dist[ray]"
+    pip install ".[ray]"                                # in the keras_dist clone
     python examples/ray_train.py                        # a local Ray, 2 workers
     python examples/ray_train.py --max-failures 1 --backup-dir /shared/backups
     RAY_ADDRESS=auto python examples/ray_train.py --workers 4   # a running cluster

@@ -22,6 +22,12 @@ keras-dist demo --help
 
 This module imports TensorFlow only inside the commands that need it (`env`,
 `demo` and the parameter-server tasks): launching needs none.
+
+TensorFlow's native log lines (C++ INFO/WARNING/ERROR lines such as the
+oneDNN notice or `failed call to cuInit`) are hidden, in the launched tasks'
+output and in `env` and `demo`, unless `--tf-logs` is given,
+`KERAS_DIST_TF_LOGS=1` is set, or `TF_CPP_MIN_LOG_LEVEL` is set (then
+TensorFlow's own rules apply): see `keras_dist.launcher.tf_logs`.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import argparse
 import os
 import platform
 import sys
+import time
 from collections.abc import Sequence
 
 from keras_dist import cluster as cluster_lib
 from keras_dist.launcher import process as process_lib
+from keras_dist.launcher import tf_logs as tf_logs_lib
 from keras_dist.launcher.supervisor import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     DEFAULT_GRACE_PERIOD,
@@ -101,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 grace_period=args.grace_period,
                 max_restarts=args.max_restarts,
                 collective_timeout=args.collective_timeout,
+                tf_logs=args.tf_logs,
             )
         if trailing is not None:
             args.subparser.error(
@@ -108,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"Received: -- {' '.join(trailing)}"
             )
         if args.command == "env":
-            return _run_env()
+            return _run_env(tf_logs=args.tf_logs)
         return _run_ps_server()
     except _UsageExit as usage_exit:
         return usage_exit.status
@@ -155,7 +164,7 @@ def _build_parser() -> argparse.ArgumentParser:
         usage=(
             f"{PROG} launch --workers N [--ps M] [--chief] [--host HOST] "
             "[--grace-period SECONDS] [--max-restarts N] "
-            "[--collective-timeout SECONDS] -- COMMAND [ARG ...]"
+            "[--collective-timeout SECONDS] [--tf-logs] -- COMMAND [ARG ...]"
         ),
     )
     launch_parser.add_argument(
@@ -218,6 +227,7 @@ def _build_parser() -> argparse.ArgumentParser:
             f"variable if set, else {DEFAULT_COLLECTIVE_TIMEOUT:g})"
         ),
     )
+    _add_tf_logs_argument(launch_parser, "the tasks' output")
     launch_parser.add_argument(
         "user_command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS
     )
@@ -232,6 +242,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "and why, and the GPU memory-growth state."
         ),
     )
+    _add_tf_logs_argument(env_parser, "this command's output")
     env_parser.set_defaults(subparser=env_parser)
 
     demo_parser = subparsers.add_parser(
@@ -244,6 +255,19 @@ def _build_parser() -> argparse.ArgumentParser:
     ps_parser = subparsers.add_parser(PS_SERVER_COMMAND)
     ps_parser.set_defaults(subparser=ps_parser)
     return parser
+
+
+def _add_tf_logs_argument(parser: argparse.ArgumentParser, where: str) -> None:
+    parser.add_argument(
+        "--tf-logs",
+        action="store_true",
+        help=(
+            f"show TensorFlow's native log lines in {where} (oneDNN, CUDA, "
+            "coordination service, ...), hidden by default; the same as "
+            f"{tf_logs_lib.TF_LOGS_ENV_VAR}=1. When {tf_logs_lib.LOG_LEVEL_ENV_VAR} "
+            "is set, TensorFlow's own rules apply and nothing is hidden"
+        ),
+    )
 
 
 def _int_at_least(minimum: int):
@@ -329,29 +353,44 @@ def _run_demo(argv: list[str]) -> int:
     return 1
 
 
-def _run_env() -> int:
-    import keras
-    import tensorflow as tf
-
-    from keras_dist import memory as memory_lib
-    from keras_dist import strategy as strategy_lib
+def _run_env(tf_logs: bool = False) -> int:
+    # What needs no TensorFlow is printed first: importing TensorFlow is
+    # nearly all of this command's time (`import tensorflow` also imports
+    # Keras 3, and Keras whatever optional integrations are installed:
+    # scikit-learn, SciPy, JAX, pandas), and nothing else here is slow.
+    start = time.perf_counter()
+    from keras_dist._backend import configured_backend
     from keras_dist._versions import VERSION as __version__
+    from keras_dist._versions import installed_version
 
     print(f"keras_dist:    {__version__}")
     print(
         f"Python:        {platform.python_version()} "
         f"({platform.python_implementation()}, {platform.platform()})"
     )
-    print(f"TensorFlow:    {tf.__version__}")
-    print(f"Keras:         {keras.__version__} (backend: {keras.backend.backend()})")
+    print(f"TensorFlow:    {installed_version('tensorflow') or 'not installed'}")
+    print(
+        f"Keras:         {installed_version('keras') or 'not installed'} "
+        f"(backend: {configured_backend()})"
+    )
+    tf_config = os.environ.get("TF_CONFIG", "").strip()
+    print(f"TF_CONFIG:     {tf_config or 'not set'}")
+    engine = cluster_lib.detect_engine()
+    print(f"Engine:        {engine.name} ({engine.detail})", flush=True)
+
+    quiet = tf_logs_lib.prepare_environment(os.environ, tf_logs)
+    import_start = time.perf_counter()
+    with tf_logs_lib.quiet_import(quiet):
+        import tensorflow as tf
+
+        from keras_dist import memory as memory_lib
+        from keras_dist import strategy as strategy_lib
+    import_seconds = time.perf_counter() - import_start
+
     for kind in ("CPU", "GPU"):
         devices = tf.config.list_physical_devices(kind)
         names = ", ".join(device.name for device in devices) or "none"
         print(f"{kind} devices:   {len(devices)} ({names})")
-    tf_config = os.environ.get("TF_CONFIG", "").strip()
-    print(f"TF_CONFIG:     {tf_config or 'not set'}")
-    engine = cluster_lib.detect_engine()
-    print(f"Engine:        {engine.name} ({engine.detail})")
     status = 0
     try:
         choice = strategy_lib.describe_choice()
@@ -370,4 +409,8 @@ def _run_env() -> int:
     else:
         states = "n/a (no GPU visible)"
     print(f"Memory growth: {states}")
+    print(
+        f"Took:          {time.perf_counter() - start:.1f} s ({import_seconds:.1f} s "
+        "of it importing TensorFlow, which imports Keras)"
+    )
     return status

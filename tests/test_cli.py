@@ -26,6 +26,7 @@ from helpers import (
     wait_gone,
     write_script,
 )
+from tf_log_lines import native_log_lines
 
 from keras_dist import cli
 
@@ -43,13 +44,13 @@ def _wait_for_files(paths, timeout, process=None):
         time.sleep(0.05)
 
 
-def _run_module(args, **kwargs):
+def _run_module(args, timeout=PROCESS_TIMEOUT, **kwargs):
     return subprocess.run(
         [sys.executable, "-m", "keras_dist", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=PROCESS_TIMEOUT,
+        timeout=timeout,
         **kwargs,
     )
 
@@ -370,3 +371,79 @@ def test_grace_period_must_be_finite_on_the_command_line(value, capsys):
 
     assert status == 2
     assert "must be a finite number >= 0" in capsys.readouterr().err
+
+
+def _readme_example(epochs):
+    """The README's fifteen-line example, training `epochs` epochs."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## In fifteen lines", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "epochs=10" in code
+    return code.replace("epochs=10", f"epochs={epochs}")
+
+
+def _environment_without_tf_log_settings():
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("TF_CONFIG", "TF_CPP_MIN_LOG_LEVEL", "KERAS_DIST_TF_LOGS")
+    }
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("switch", [[], ["--tf-logs"]], ids=["default", "tf-logs"])
+def test_two_worker_readme_example_prints_tensorflow_logs_only_when_asked(
+    tmp_path, switch
+):
+    # `keras-dist launch --workers 2 -- python train.py` on the README's
+    # example (2 epochs instead of 10): TensorFlow's C++ lines (the oneDNN
+    # notice, "Could not find cuda drivers", `failed call to cuInit`, the
+    # coordination service) are hidden unless asked for; training output
+    # is not.
+    script = tmp_path / "train.py"
+    script.write_text(_readme_example(epochs=2))
+    result = _run_module(
+        ["launch", "--workers", "2", *switch, "--", sys.executable, str(script)],
+        env=_environment_without_tf_log_settings(),
+        timeout=600,
+    )
+
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    for index in range(2):
+        assert "Epoch 2/2" in task_lines(result.stdout, f"worker:{index}")
+    native = native_log_lines(result.stdout + result.stderr)
+    if switch:
+        assert len(native) > 0
+    else:
+        assert native == []
+
+
+def test_env_prints_no_tensorflow_log_line_by_default():
+    result = _run_module(["env"], env=_environment_without_tf_log_settings())
+
+    assert result.returncode == 0, result.stderr
+    assert native_log_lines(result.stdout + result.stderr) == []
+    # Everything that needs no TensorFlow comes first; the last line says
+    # where the time went.
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[:6]] == [
+        "keras_dist",
+        "Python",
+        "TensorFlow",
+        "Keras",
+        "TF_CONFIG",
+        "Engine",
+    ]
+    assert re.fullmatch(
+        r"Took: +[\d.]+ s \([\d.]+ s of it importing TensorFlow, which imports "
+        r"Keras\)",
+        lines[-1],
+    )
+
+
+def test_help_names_the_tf_logs_switch(capsys):
+    for command in ("launch", "env"):
+        assert cli.main([command, "--help"]) == 0
+        help_text = " ".join(capsys.readouterr().out.split())
+        assert "--tf-logs" in help_text
+        assert "KERAS_DIST_TF_LOGS=1" in help_text

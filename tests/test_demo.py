@@ -8,28 +8,45 @@ import sys
 
 import pytest
 from helpers import REPO_ROOT
+from tf_log_lines import native_log_lines
 
 from keras_dist import demo
 
 
-def _result(name, replicas, accuracy):
+def _result(
+    name,
+    replicas,
+    accuracy,
+    epoch_loss=(),
+    epoch_accuracy=(),
+    accumulation_steps=1,
+    hook="NoCompression",
+):
     return demo.Result(
         name=name,
         replicas=replicas,
-        accumulation_steps=1,
-        hook="NoCompression",
+        accumulation_steps=accumulation_steps,
+        hook=hook,
         test_accuracy=accuracy,
         samples_per_second=1000.0,
         bytes_per_step=0 if replicas == 1 else 1024,
         compression_ratio=1.0,
         seconds=1.0,
+        epoch_loss=list(epoch_loss),
+        epoch_accuracy=list(epoch_accuracy),
     )
 
 
 def test_demo_through_a_pipe_writes_its_table_without_control_codes(tmp_path):
     # Every configuration on 2 replicas for 2 epochs; stdout is a pipe, not a
     # terminal. One run for what the demo prints and what it writes.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(REPO_ROOT))
+    # TF_CPP_MIN_LOG_LEVEL unset: the demo hides TensorFlow's lines itself.
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("TF_CPP_MIN_LOG_LEVEL", "KERAS_DIST_TF_LOGS")
+    }
+    env["PYTHONPATH"] = str(REPO_ROOT)
     args = ["demo", "--replicas", "2", "--epochs", "2", "--out", str(tmp_path)]
     result = subprocess.run(
         [sys.executable, "-m", "keras_dist", *args],
@@ -43,7 +60,15 @@ def test_demo_through_a_pipe_writes_its_table_without_control_codes(tmp_path):
     assert result.returncode == 0, out[-4000:]
     assert "\x1b[" not in out
     assert "\r" not in out
+    assert native_log_lines(out) == []
+    # The dataset shuffles itself; Keras does not warn about `shuffle=True`.
+    assert "shuffle=True" not in out
     assert "| configuration | test accuracy |" in out
+    flat = " ".join(out.split())
+    assert (
+        'at every one of the 2 epochs, the "2 replicas" run matches the '
+        '"1 replica" run: its training accuracy is the same' in flat
+    ), out[-3000:]
     assert "samples/s: the 2 logical CPU replicas" in out
     assert demo.BENCHMARKS_PAGE in out
     written = (tmp_path / "results.md").read_text()
@@ -55,6 +80,7 @@ def test_demo_through_a_pipe_writes_its_table_without_control_codes(tmp_path):
     assert any("accumulation" in name for name in names)
     for row in results["results"]:
         assert row["test_accuracy"] > 0.5, row
+        assert len(row["epoch_loss"]) == len(row["epoch_accuracy"]) == 2, row
     two = next(r for r in results["results"] if r["name"].endswith("replicas"))
     assert two["bytes_per_step"] > 0
     assert (tmp_path / "results.png").exists()
@@ -131,3 +157,57 @@ def test_note_explains_samples_per_second_with_this_run_s_accuracy():
     assert "(1 replica 0.975; 2 replicas 0.967-0.975)" in flat
     assert f"bandwidth-shaped network: {demo.BENCHMARKS_PAGE}" in flat
     assert max(len(line) for line in note.splitlines()) <= 78
+
+
+def test_note_says_the_replicated_run_trained_as_one_device():
+    loss, accuracy = [1.9685, 0.7435, 0.2767], [0.5724, 0.8381, 0.9197]
+    results = [
+        _result("1 replica", 1, 0.975, loss, accuracy),
+        _result("2 replicas", 2, 0.975, loss, accuracy),
+        _result(
+            "2 replicas, accumulation x2",
+            2,
+            0.975,
+            [1.9685, 0.7435, 0.2767 * (1 + 2.4e-3)],
+            accuracy,
+            accumulation_steps=2,
+        ),
+        # A compression hook changes the sums on purpose: not compared.
+        _result("2 replicas, FP16", 2, 0.975, [9.0, 9.0, 9.0], accuracy, hook="FP16"),
+    ]
+
+    flat = " ".join(demo.format_note(results, replicas=2, cores=2).split())
+
+    assert (
+        "Same training on one device and on replicas: at every one of the 3 "
+        'epochs, the "2 replicas" run matches the "1 replica" run: its training '
+        "accuracy is the same, and its loss is the same too." in flat
+    )
+    assert (
+        'So does "2 replicas, accumulation x2": its training accuracy is the '
+        "same, and its loss agrees to 2.4e-03 (relative; largest at epoch 3)." in flat
+    )
+    assert "FP16" not in flat
+
+
+def test_note_says_when_the_replicated_run_trained_differently():
+    results = [
+        _result("1 replica", 1, 0.975, [1.0, 0.5], [0.5, 0.8]),
+        _result("2 replicas", 2, 0.9, [1.0, 0.6], [0.5, 0.72]),
+    ]
+
+    flat = " ".join(demo.format_note(results, replicas=2, cores=2).split())
+
+    assert flat.startswith(
+        'Not the same training: at every epoch the "2 replicas" run should '
+        'match the "1 replica" run up to float rounding; its training accuracy '
+        "agrees to 1.0e-01 (relative; largest at epoch 2), and its loss agrees "
+        "to 1.7e-01 (relative; largest at epoch 2), beyond the 0.01 that "
+        "rounding explains."
+    )
+
+
+def test_note_compares_nothing_without_epochs():
+    results = [_result("1 replica", 1, 0.975), _result("2 replicas", 2, 0.975)]
+    assert demo.format_equality(results) is None
+    assert demo.format_note(results, replicas=2, cores=2).startswith("samples/s")

@@ -5,6 +5,7 @@ tasks are real processes). The command line around it (`keras-dist launch`,
 `python -m keras_dist`, SIGINT, usage errors) is in `test_cli.py`.
 """
 
+import io
 import json
 import os
 import sys
@@ -324,3 +325,58 @@ def test_launch_refuses_restarts_with_parameter_servers_but_no_chief():
         launcher.launch(["true"], workers=1, ps=1, max_restarts=1)
     with pytest.raises(ValueError, match="max_restarts"):
         launcher.launch(["true"], workers=1, max_restarts=-1)
+
+
+# A task that reports what TensorFlow would read, then writes two lines in
+# TensorFlow's native formats and one of its own.
+NOISY_TASK = """
+    import os, sys
+    print("level", os.environ.get("TF_CPP_MIN_LOG_LEVEL"),
+          "switch", os.environ.get("KERAS_DIST_TF_LOGS"), flush=True)
+    print("WARNING: All log messages before absl::InitializeLog() is called "
+          "are written to STDERR", file=sys.stderr, flush=True)
+    print("I0000 00:00:1796356644.450448    1393 port.cc:153] oneDNN custom "
+          "operations are on.", file=sys.stderr, flush=True)
+    print("mine", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "environ, tf_logs, level, switch, shown",
+    [
+        # Nothing said: quiet (level 3, native lines dropped).
+        ({}, False, "3", None, False),
+        # Asked for, by the option or the variable: everything, as TensorFlow
+        # writes it; the option reaches the tasks as the variable.
+        ({}, True, None, "1", True),
+        ({"KERAS_DIST_TF_LOGS": "1"}, False, None, "1", True),
+        # The user's own level is theirs: kept, nothing dropped.
+        ({"TF_CPP_MIN_LOG_LEVEL": "1"}, False, "1", None, True),
+    ],
+)
+def test_tensorflow_logs_are_quiet_unless_asked_for(
+    tmp_path, environ, tf_logs, level, switch, shown
+):
+    script = write_script(tmp_path, "noisy.py", NOISY_TASK)
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("TF_CPP_MIN_LOG_LEVEL", "KERAS_DIST_TF_LOGS")
+    }
+    out, err = io.StringIO(), io.StringIO()
+
+    status = launcher.launch(
+        [sys.executable, script],
+        workers=2,
+        environ={**env, **environ},
+        stdout=out,
+        stderr=err,
+        tf_logs=tf_logs,
+    )
+
+    assert status == 0, err.getvalue()
+    for index in range(2):
+        lines = task_lines(out.getvalue(), f"worker:{index}")
+        assert lines[0] == f"level {level} switch {switch}"
+        assert "mine" in lines
+        assert (len(lines) == 4) is shown, lines

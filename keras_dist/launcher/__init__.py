@@ -6,6 +6,8 @@
 - `keras_dist.launcher.process`: starting, watching and stopping groups of
   task processes, one helper for the launcher and
   `keras_dist.testing.run_workers`.
+- `keras_dist.launcher.tf_logs`: when and how `keras-dist` hides
+  TensorFlow's native log lines (`--tf-logs`, `KERAS_DIST_TF_LOGS`).
 
 Nothing here imports TensorFlow or Keras: the launcher starts its tasks
 without paying for them.

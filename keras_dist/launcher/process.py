@@ -143,14 +143,24 @@ class PrefixedOutput:
     output is dropped from then on while the tasks keep running: their
     output is still read, so they never block on a full pipe, and whether
     they succeed does not depend on who reads the log.
+
+    Args:
+        stream: Text stream. Where the lines go.
+        keep: Callable or `None`. Called with each line (without its
+            prefix); a line it returns `False` for is dropped (the
+            launcher's quiet mode drops TensorFlow's native log lines this
+            way). `None` keeps every line. Defaults to `None`.
     """
 
-    def __init__(self, stream: IO[str]):
+    def __init__(self, stream: IO[str], keep: Callable[[str], bool] | None = None):
         self.stream = stream
+        self.keep = keep
         self.broken = False
         self._lock = threading.Lock()
 
     def write_line(self, prefix: str, line: str) -> None:
+        if self.keep is not None and not self.keep(line):
+            return
         with self._lock:
             if self.broken:
                 return
@@ -292,6 +302,7 @@ def run_tasks(
     failure: list | None = None,
     replaceable: Sequence[str] = (),
     restarts: int = 0,
+    keep_line: Callable[[str], bool] | None = None,
 ) -> int:
     """Starts every task, streams its prefixed output, and supervises them.
 
@@ -317,6 +328,8 @@ def run_tasks(
             them is left. Defaults to none.
         restarts: Int. How many in-place restarts of `replaceable` tasks the
             job may use in all. Defaults to `0`.
+        keep_line: Callable or `None`. Which output lines to write (see
+            `PrefixedOutput`); `None` writes every line. Defaults to `None`.
 
     Returns:
         `0` on success; else the exit status of the first task that failed,
@@ -324,7 +337,7 @@ def run_tasks(
         no resources for another task, `130` after Ctrl-C, `143` after
         SIGTERM.
     """
-    output = PrefixedOutput(out)
+    output = PrefixedOutput(out, keep=keep_line)
     tasks: list[Task] = []
     previous_sigterm = _install_sigterm_handler()
     try:

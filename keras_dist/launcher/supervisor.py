@@ -24,12 +24,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from keras_dist import cluster as cluster_lib
 from keras_dist._validation import check_bool, check_int, check_real
 from keras_dist.launcher import process as process_lib
+from keras_dist.launcher import tf_logs as tf_logs_lib
 
 PROG = "keras-dist"
 TASK_ENV_VAR = "KERAS_DIST_TASK"
@@ -59,6 +60,7 @@ def launch(
     environ: Mapping[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    tf_logs: bool = False,
 ) -> int:
     """Runs `command` as every chief and worker task of a local cluster.
 
@@ -83,6 +85,14 @@ def launch(
     and the job goes on while one worker is left (or, with `max_restarts`,
     the failed worker is started again in place). Every task runs in its own
     process group, so whatever it starts is stopped with it.
+
+    TensorFlow's native log lines (the oneDNN notice, `failed call to
+    cuInit`, the coordination service's progress, ...) are quiet: the tasks
+    get `TF_CPP_MIN_LOG_LEVEL=3`, and the lines TensorFlow writes before it
+    reads that variable are dropped from their output. They are all shown
+    with `tf_logs=True` (`--tf-logs`) or `KERAS_DIST_TF_LOGS=1`; when the
+    environment sets `TF_CPP_MIN_LOG_LEVEL`, that level applies and nothing
+    is dropped (`keras_dist.launcher.tf_logs`).
 
     With `max_restarts > 0`, a failed job is started again, whole (a
     `MultiWorkerMirroredStrategy`'s collectives cannot take a new process
@@ -123,6 +133,10 @@ def launch(
             `None` means `sys.stdout`. Defaults to `None`.
         stderr: Text stream or `None`. Where the launcher's own messages go;
             `None` means `sys.stderr`. Defaults to `None`.
+        tf_logs: Bool. Show TensorFlow's native log lines (the tasks also
+            get `KERAS_DIST_TF_LOGS=1`). Defaults to `False`: quiet, unless
+            the environment sets `KERAS_DIST_TF_LOGS` or
+            `TF_CPP_MIN_LOG_LEVEL`.
 
     Returns:
         `0` when every chief and worker task exited with status 0 (with
@@ -153,6 +167,7 @@ def launch(
     workers = check_int("workers", workers, minimum=1)
     ps = check_int("ps", ps, minimum=0)
     chief = check_bool("chief", chief)
+    tf_logs = check_bool("tf_logs", tf_logs)
     grace_period = check_real(
         "grace_period", grace_period, minimum=0, hint="It is in seconds."
     )
@@ -178,6 +193,10 @@ def launch(
         env[COLLECTIVE_TIMEOUT_ENV_VAR] = f"{collective_timeout:g}"
     else:
         env.setdefault(COLLECTIVE_TIMEOUT_ENV_VAR, f"{DEFAULT_COLLECTIVE_TIMEOUT:g}")
+    quiet = tf_logs_lib.prepare_environment(env, tf_logs)
+    if tf_logs:
+        # So that a `keras-dist` command run by a task shows them too.
+        env[tf_logs_lib.TF_LOGS_ENV_VAR] = "1"
     err = stderr if stderr is not None else sys.stderr
     job = _Job(
         command=command,
@@ -192,6 +211,7 @@ def launch(
         # With a coordinator, a failed worker is restarted in place and the
         # job goes on; a MultiWorkerMirroredStrategy job restarts whole.
         worker_restarts=max_restarts if coordinated else 0,
+        keep_line=tf_logs_lib.keep_line if quiet else None,
     )
     max_restarts = 0 if coordinated else max_restarts
     attempt = 0
@@ -289,6 +309,7 @@ class _Job:
     out: IO[str]
     err: IO[str]
     worker_restarts: int
+    keep_line: Callable[[str], bool] | None
 
     def run(self, attempt: int) -> tuple[int, tuple[str, int] | None]:
         """Starts every task of one attempt and supervises them to the end.
@@ -323,5 +344,6 @@ class _Job:
             if coordinated
             else (),
             restarts=self.worker_restarts,
+            keep_line=self.keep_line,
         )
         return status, failure[0] if failure else None
