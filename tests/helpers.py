@@ -1,11 +1,14 @@
 """What several test modules share; imported by the worker processes too.
 
-Small models and data, a harness for all-reduce hooks, a fresh-interpreter
-runner, process checks and what the launcher's tests share (`write_script`,
+Small models and data, a harness for all-reduce hooks, the one config
+round-trip check (`assert_config_round_trip`), a fresh-interpreter runner,
+process checks and what the launcher's tests share (`write_script`,
 `task_lines`, `SLEEPER`). Like `workers.py`, it imports neither pytest nor
 conftest.
 """
 
+import inspect
+import json
 import os
 import pathlib
 import signal
@@ -142,6 +145,32 @@ class Harness:
         return [v.numpy() for v in self.strategy.experimental_local_results(variable)]
 
 
+# A conv kernel and its bias, a dense kernel and its bias: the shapes the
+# hooks' tests reduce unless they need others.
+LAYER_SHAPES = [(3, 3, 4, 16), (16,), (64, 48), (48,)]
+
+
+def assert_same_on_replicas(results):
+    """Every replica got the same result (`results` as `Harness.reduce` gives)."""
+    for per_replica in results:
+        for other in per_replica[1:]:
+            np.testing.assert_array_equal(other, per_replica[0])
+
+
+def record_payload(monkeypatch, module, name, sizes):
+    """Wraps `module.name` (a collective helper) to add its payload bytes."""
+    from keras_dist.compression import tensor_bytes
+
+    original = getattr(module, name)
+
+    def recording(*args):
+        tensors = [t for arg in args if isinstance(arg, list) for t in arg]
+        sizes.append(sum(tensor_bytes(t) for t in tensors))
+        return original(*args)
+
+    monkeypatch.setattr(module, name, recording)
+
+
 def random_grads(shapes, replicas, seed=0, dtype="float32"):
     rng = np.random.default_rng(seed)
     return [
@@ -152,6 +181,58 @@ def random_grads(shapes, replicas, seed=0, dtype="float32"):
 
 def exact_sum(per_replica):
     return [np.sum(np.stack(parts), axis=0) for parts in zip(*per_replica)]
+
+
+def assert_config_round_trip(instance, exact_arguments=True):
+    """Checks `instance`'s config round trips; returns the revived object.
+
+    The one config check of the test suite, after Keras's
+    `TestCase.run_class_serialization_test`: `get_config` -> `from_config`
+    gives an object of the same class with an equal config, and so does
+    `keras.saving.serialize_keras_object` -> `deserialize_keras_object`,
+    in memory and through JSON (as a `.keras` file stores it). A
+    `keras_dist` class is registered under the package `keras_dist`.
+
+    Args:
+        instance: The object (hook, optimizer, schedule, model).
+        exact_arguments: Bool. Also check that the config's keys are
+            exactly the constructor's named arguments (the house rule for
+            hooks, optimizers and schedules; a functional model's config is
+            Keras's). Defaults to `True`.
+
+    Returns:
+        The object `deserialize_keras_object` revived (in memory).
+    """
+    cls = type(instance)
+    config = instance.get_config()
+    if exact_arguments:
+        named = [
+            name
+            for name, parameter in inspect.signature(cls).parameters.items()
+            if parameter.kind
+            not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        ]
+        assert set(config) == set(named), (sorted(config), sorted(named))
+    clone = cls.from_config(config)
+    assert type(clone) is cls
+    assert clone.get_config() == config
+    serialized = keras.saving.serialize_keras_object(instance)
+    if cls.__module__.startswith("keras_dist."):
+        assert serialized["registered_name"] == f"keras_dist>{cls.__name__}"
+    from_json = keras.saving.deserialize_keras_object(
+        json.loads(json.dumps(serialized))
+    )
+    assert type(from_json) is cls
+    # JSON has no tuples: compare both sides as JSON.
+    assert _as_json(from_json.get_config()) == _as_json(config)
+    revived = keras.saving.deserialize_keras_object(serialized)
+    assert type(revived) is cls
+    assert revived.get_config() == config
+    return revived
+
+
+def _as_json(config):
+    return json.loads(json.dumps(config, sort_keys=True))
 
 
 def run_python(code, env=None, timeout=120, check=True):

@@ -13,7 +13,15 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import Harness, compile_model, exact_sum, make_data, max_abs_diff, mlp
+from helpers import (
+    Harness,
+    assert_config_round_trip,
+    compile_model,
+    exact_sum,
+    make_data,
+    max_abs_diff,
+    mlp,
+)
 
 import keras_dist
 from keras_dist.compression import (
@@ -107,10 +115,8 @@ def test_bad_bucket_bytes_name_the_argument(hook_class, value, error):
 def test_bucket_bytes_round_trips_through_the_config(hook_class, bucket_bytes):
     hook = hook_class(bucket_bytes=bucket_bytes)
     assert hook.bucket_bytes == bucket_bytes
-    clone = keras.saving.deserialize_keras_object(
-        keras.saving.serialize_keras_object(hook)
-    )
-    assert type(clone) is hook_class and clone.bucket_bytes == bucket_bytes
+    clone = assert_config_round_trip(hook)
+    assert clone.bucket_bytes == bucket_bytes
     if bucket_bytes == DEFAULT_BUCKET_BYTES:
         assert repr(hook) == f"{hook_class.__name__}()"
     else:

@@ -11,7 +11,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import compile_model, make_data, max_abs_diff, mlp
+from helpers import (
+    assert_config_round_trip,
+    compile_model,
+    make_data,
+    max_abs_diff,
+    mlp,
+)
 
 import keras_dist
 from keras_dist import noise_scale
@@ -159,11 +165,7 @@ def test_plain_schedule_is_refused_with_the_fix():
 
 def test_scaled_learning_rate_config_round_trip():
     schedule = ScaledLearningRate(keras.optimizers.schedules.CosineDecay(0.1, 100))
-    revived = keras.saving.deserialize_keras_object(
-        keras.saving.serialize_keras_object(schedule)
-    )
-    assert isinstance(revived, ScaledLearningRate)
-    assert revived.get_config() == schedule.get_config()
+    revived = assert_config_round_trip(schedule)
     assert float(revived(0)) == pytest.approx(0.1)
     with pytest.raises(TypeError, match=r"schedule=0\.1"):
         ScaledLearningRate(0.1)

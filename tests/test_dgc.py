@@ -1,6 +1,5 @@
 """Deep Gradient Compression: the update against NumPy, state, training."""
 
-import inspect
 import math
 
 import keras
@@ -8,7 +7,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import workers
-from helpers import Harness, compile_model, make_data, max_abs_diff, mlp, random_grads
+from helpers import (
+    Harness,
+    assert_config_round_trip,
+    compile_model,
+    make_data,
+    max_abs_diff,
+    mlp,
+    random_grads,
+)
 
 import keras_dist
 from keras_dist.compression import DGC
@@ -481,11 +488,7 @@ def test_config_round_trip():
         "nesterov": True,
         "bucket_bytes": 1024,
     }
-    clone = keras.saving.deserialize_keras_object(
-        keras.saving.serialize_keras_object(hook)
-    )
-    assert isinstance(clone, DGC) and clone.get_config() == config
-    assert set(config) == set(inspect.signature(DGC).parameters)
+    clone = assert_config_round_trip(hook)
     assert repr(clone) == repr(hook)
     assert DGC().get_config() == {
         "ratio": 0.001,

@@ -10,12 +10,12 @@ reference's exactly (the same arithmetic in the same order: 0.0, asserted
 to <= 1e-6; the same bound in one process). The single-process tests (2
 logical replicas) cover the input
 pipelines, steps_per_execution, a plain keras.Model and the bad-backup
-errors.
+errors. The backup store alone (atomic files, fallback, pruning) is in
+`test_backup_store.py`.
 """
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -473,24 +473,6 @@ def test_backup_and_restore_arguments():
         BackupAndRestore("/tmp/x", save_freq="batch")
     with pytest.raises(TypeError, match="delete_checkpoint"):
         BackupAndRestore("/tmp/x", delete_checkpoint="yes")
-
-
-def test_backup_keeps_two_and_removes_partials(tmp_path):
-    folder = str(tmp_path)
-    os.makedirs(tmp_path / ".partial-old")
-    manifest = {"format": _backup.FORMAT, "version": _backup.FORMAT_VERSION}
-    for _ in range(4):
-        _backup.write(folder, [np.zeros(2)], {**manifest, "variables": [{}]})
-    assert sorted(os.listdir(folder)) == [
-        _backup.CURRENT,
-        "backup-00000003",
-        "backup-00000004",
-    ]
-    path, _, _ = _backup.read_latest(folder)
-    assert path.endswith("backup-00000004")
-    shutil.rmtree(tmp_path / "backup-00000004")
-    # CURRENT names a folder that is gone: the previous one is used.
-    assert _backup.read_latest(folder)[0].endswith("backup-00000003")
 
 
 def test_resume_is_exact_without_a_strategy(tmp_path):
