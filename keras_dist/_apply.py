@@ -85,6 +85,7 @@ def reduce_and_apply(
     hook: AllReduceHook,
     batch_size=None,
     non_finite_gradients="apply",
+    log_skips=True,
 ):
     """Sums `gradients` over replicas through `hook`, then applies them once.
 
@@ -110,6 +111,8 @@ def reduce_and_apply(
             update with a NaN or inf in the reduced gradient does (a
             `LossScaleOptimizer` decides itself). Defaults to `"apply"`
             (stock Keras).
+        log_skips: Bool. Log a skipped update (`False` under XLA, which
+            compiles no Python callback). Defaults to `True`.
 
     Returns:
         The list of summed gradients.
@@ -138,6 +141,8 @@ def reduce_and_apply(
         non_finite_gradients,
         optimizer.iterations,
         loss_scaled=view.loss_scale is not None,
-        how_to_raise="compile(..., non_finite_gradients='raise')",
+        how_to_raise=(
+            "compile(..., non_finite_gradients='raise')" if log_skips else None
+        ),
     )
     return reduced

@@ -400,6 +400,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         hook,
         batch_size=None,
         non_finite_gradients="apply",
+        log_skips=True,
     ):
         """Accumulates `grads`; on every k-th call reduces them with `hook`
         and applies their mean with the inner optimizer.
@@ -425,6 +426,8 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
             non_finite_gradients: String: what an update whose reduced
                 gradient is not finite does, `"skip"`, `"raise"` or `"apply"`
                 (see `DistributedModel.compile`). Defaults to `"apply"`.
+            log_skips: Bool. Log a skipped update (`False` under XLA).
+                Defaults to `True`.
         """
         trainable_variables = list(trainable_variables)
         if not self.built:
@@ -442,6 +445,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
                 variables,
                 hook,
                 non_finite_gradients=non_finite_gradients,
+                log_skips=log_skips,
             )
 
         self._cycle.accumulate(grads, variables, apply, batch_size=batch_size)

@@ -301,21 +301,7 @@ def test_integer_sums_split_into_whole_shares_that_add_up(before, after, dtype):
     assert np.all(got.max(axis=0) - got.min(axis=0) <= 1)
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        pytest.param(
-            "int32",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="reshard's integer 'sum' path returns the dtype NumPy "
-                "gives the sum (int64 for int32), while its float 'sum' and "
-                "'mean' paths keep the saved dtype",
-            ),
-        ),
-        "int64",
-    ],
-)
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
 @pytest.mark.parametrize("before, after", COUNTS)
 def test_an_integer_sum_keeps_the_saved_dtype(before, after, dtype):
     got = reshard(entry("sum"), integer_counts(before, dtype), after)

@@ -546,9 +546,10 @@ def _replaying_train_function(model, train_function, resume, epoch_iterator, spx
         state["call"] += 1
         # What Keras's epoch iterator counted at this call in the first run,
         # so that it re-creates its input iterator at the same batch.
-        _compat.set_epoch_iterator_position(
-            epoch_iterator, resume.position + (call + 1 - resume.calls) * spx
-        )
+        if epoch_iterator is not None:
+            _compat.set_epoch_iterator_position(
+                epoch_iterator, resume.position + (call + 1 - resume.calls) * spx
+            )
         if call < resume.calls:
             return dict(resume.logs)
         model.train_function = train_function

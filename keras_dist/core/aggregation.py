@@ -266,8 +266,9 @@ def apply_reduced(reduced, apply, non_finite, iterations, loss_scaled, how_to_ra
         non_finite: String, one of `NON_FINITE_GRADIENTS`.
         iterations: The optimizer's update counter (named in messages).
         loss_scaled: Bool. A loss-scaling optimizer decides itself: apply.
-        how_to_raise: String. How this front end asks for `"raise"`, for
-            the warning of a skipped update.
+        how_to_raise: String or `None`. How this front end asks for
+            `"raise"`, for the warning of a skipped update; `None` skips
+            without a warning (XLA compiles no Python callback).
     """
     if loss_scaled or non_finite == "apply":
         apply(reduced)
@@ -278,9 +279,13 @@ def apply_reduced(reduced, apply, non_finite, iterations, loss_scaled, how_to_ra
         with tf.control_dependencies([assert_finite(reduced, iterations)]):
             apply(reduced)
     else:
-        apply_if_finite(
-            reduced, apply, on_skip=lambda: _warn_skipped(iterations, how_to_raise)
-        )
+        on_skip = None
+        if how_to_raise is not None:
+
+            def on_skip():
+                _warn_skipped(iterations, how_to_raise)
+
+        apply_if_finite(reduced, apply, on_skip=on_skip)
 
 
 def _warn_skipped(iterations, how_to_raise) -> None:

@@ -211,7 +211,7 @@ def reshard(entry: StateEntry, value: np.ndarray, replicas: int) -> np.ndarray:
             base, extra = np.divmod(total, replicas)
             return np.stack(
                 [base + (extra > i).astype(total.dtype) for i in range(replicas)]
-            )
+            ).astype(value.dtype)
         return np.stack([share.astype(value.dtype)] * replicas)
     if entry.rule == "first":
         return np.stack([value[0]] * replicas)

@@ -49,11 +49,11 @@ class FitMixin:
         self._check_strategy()
         if _parameter_server.is_parameter_server(self.distribute_strategy):
             values = _compat.bind_fit_arguments(self, args, kwargs)
-            self._keras_dist_fitting = True
+            self._keras_dist.fitting = True
             try:
                 return _parameter_server.fit(self, **values)
             finally:
-                self._keras_dist_fitting = False
+                self._keras_dist.fitting = False
         # With an AutoScaleBatch callback, numpy arrays and unbatched datasets
         # are batched at its per_replica_batch_size x num_replicas_in_sync.
         args, kwargs = _fit_data.prepare_fit_arguments(self, args, kwargs)
@@ -63,7 +63,7 @@ class FitMixin:
         values["callbacks"], finish = fit_callbacks(self, values.get("callbacks"))
         session = state.session(self)
         session.epoch_iterator = None
-        self._keras_dist_fitting = True
+        self._keras_dist.fitting = True
         try:
             return super().fit(**values)
         except _COLLECTIVE_ERRORS as error:
@@ -72,7 +72,7 @@ class FitMixin:
                 raise
             raise RuntimeError(lost) from error
         finally:
-            self._keras_dist_fitting = False
+            self._keras_dist.fitting = False
             session.epoch_iterator = None
             finish()
 
@@ -83,7 +83,7 @@ class FitMixin:
         # `evaluate` comes here later with its own, which is not recorded.
         session = state.session(self)
         if (
-            getattr(self, "_keras_dist_fitting", False)
+            self._keras_dist.fitting
             and iterator is not None
             and session.epoch_iterator is None
         ):

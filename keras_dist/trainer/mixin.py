@@ -3,6 +3,7 @@ Keras TensorFlow trainer, put together from one mixin per concern."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import keras
@@ -22,6 +23,26 @@ from keras_dist.trainer.steps import StepMixin
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
+class TrainerState:
+    """What keras_dist keeps on a `DistributedModel`, in one place.
+
+    Attributes:
+        hook: The `AllReduceHook` the model trains with (the user's, or a
+            `NoCompression`).
+        user_hook: The hook the user gave, or `None` (saved in the config).
+        non_finite: String, `compile`'s `non_finite_gradients`.
+        fitting: Bool. Whether the model's `fit` is running.
+        saveable: The `HookStateSaveable` of `all_reduce_hook_state`.
+    """
+
+    hook: object = None
+    user_hook: object = None
+    non_finite: str = "skip"
+    fitting: bool = False
+    saveable: object = None
+
+
 class DistributedTrainerMixin(
     FitMixin, FunctionsMixin, StepMixin, SavingMixin, _compat.MultiWorkerBuildFix
 ):
@@ -34,23 +55,22 @@ class DistributedTrainerMixin(
     """
 
     def __init__(self, *args, all_reduce_hook=None, **kwargs):
+        # One untracked object holds what keras_dist keeps on the model: the
+        # hook is not a layer, so it must not show up in `model.layers`,
+        # summaries or weight lists.
+        _compat.set_untracked_attribute(self, "_keras_dist", TrainerState())
         super().__init__(*args, **kwargs)
         self._set_hook(all_reduce_hook)
-        self._keras_dist_non_finite = "skip"
 
     def _set_hook(self, hook):
         if hook is not None:
             aggregation.check_hook(hook)
-        # Plain attributes on purpose: the hook is not a layer, so it must
-        # not show up in `model.layers`, summaries or weight lists.
-        _compat.set_untracked_attribute(self, "_keras_dist_user_hook", hook)
-        _compat.set_untracked_attribute(
-            self, "_keras_dist_hook", NoCompression() if hook is None else hook
-        )
+        self._keras_dist.user_hook = hook
+        self._keras_dist.hook = NoCompression() if hook is None else hook
         # The hook's per-replica state (error feedback, warm-start factors)
         # is saved with `tf.train.Checkpoint(model=...)`.
         _compat.track_checkpoint_dependency(
-            self, "all_reduce_hook", self._keras_dist_hook
+            self, "all_reduce_hook", self._keras_dist.hook
         )
 
     def training_state(self):
@@ -70,7 +90,7 @@ class DistributedTrainerMixin(
     @property
     def all_reduce_hook(self) -> AllReduceHook:
         """The `AllReduceHook` that sums gradients across replicas."""
-        return self._keras_dist_hook
+        return self._keras_dist.hook
 
     def register_all_reduce_hook(self, hook: AllReduceHook) -> None:
         """Replaces the all-reduce hook.
@@ -85,7 +105,7 @@ class DistributedTrainerMixin(
             TypeError: `hook` is not an `AllReduceHook` instance.
             RuntimeError: called while `fit` runs (from a callback).
         """
-        if getattr(self, "_keras_dist_fitting", False):
+        if self._keras_dist.fitting:
             raise RuntimeError(
                 "`register_all_reduce_hook` cannot be called while `fit` runs "
                 "(from a callback): the compiled train step uses the current "
@@ -141,7 +161,7 @@ class DistributedTrainerMixin(
                 loss scaling is already built, so it cannot be added.
         """
         optimizer = _loss_scaling_inside_accumulation(keras.optimizers.get(optimizer))
-        self._keras_dist_non_finite = aggregation.check_non_finite_gradients(
+        self._keras_dist.non_finite = aggregation.check_non_finite_gradients(
             non_finite_gradients
         )
         if (

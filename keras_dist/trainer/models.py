@@ -136,7 +136,7 @@ class DistributedModel(DistributedTrainerMixin, keras.Model):
         # Only a hook the user gave: the default is recreated on load, and
         # saving it would make it look user-given (see `_training_hook`).
         config["all_reduce_hook"] = keras.saving.serialize_keras_object(
-            self._keras_dist_user_hook
+            self._keras_dist.user_hook
         )
         return config
 

@@ -29,10 +29,10 @@ class SavingMixin:
         same file and ignores the hook state: train distributed, deploy
         plain.
         """
-        saveable = self.__dict__.get("_keras_dist_hook_saveable")
+        saveable = self._keras_dist.saveable
         if saveable is None or saveable.owner() is not self:
             saveable = HookStateSaveable(self)
-            _compat.set_untracked_attribute(self, "_keras_dist_hook_saveable", saveable)
+            self._keras_dist.saveable = saveable
         return saveable
 
     def load_own_variables(self, store):

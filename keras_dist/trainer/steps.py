@@ -97,10 +97,12 @@ class StepMixin:
             )
         variables = list(variables)
         hook = self._training_hook()
-        # XLA has no assert op: "raise" applies under `jit_compile`.
-        non_finite = self._keras_dist_non_finite
+        # XLA compiles neither an assert nor a Python callback: under
+        # `jit_compile`, "raise" applies and "skip" skips without a log line.
+        non_finite = self._keras_dist.non_finite
         if non_finite == "raise" and self.jit_compile:
             non_finite = "apply"
+        log_skips = not self.jit_compile
         self._ensure_built(hook, variables)
         accumulator = find_accumulator(self.optimizer)
         if accumulator is not None:
@@ -111,6 +113,7 @@ class StepMixin:
                 hook,
                 batch_size,
                 non_finite_gradients=non_finite,
+                log_skips=log_skips,
             )
         else:
             _apply.reduce_and_apply(
@@ -120,6 +123,7 @@ class StepMixin:
                 hook,
                 batch_size,
                 non_finite_gradients=non_finite,
+                log_skips=log_skips,
             )
 
     def _training_hook(self) -> AllReduceHook:
@@ -133,7 +137,7 @@ class StepMixin:
         optimizer_hook = None if accumulator is None else accumulator.all_reduce_hook
         if optimizer_hook is None or optimizer_hook is self.all_reduce_hook:
             return self.all_reduce_hook
-        if self._keras_dist_user_hook is None:
+        if self._keras_dist.user_hook is None:
             return optimizer_hook
         raise ValueError(
             "Both the model and its GradientAccumulationOptimizer have an "
