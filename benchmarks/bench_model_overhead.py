@@ -58,7 +58,7 @@ NUM_CLASSES = 10
 NUM_EXAMPLES = 2048
 MODEL_NAMES = ("keras.Model", "DistributedModel", "DistributedModel, no finite check")
 # The check for a non-finite reduced gradient (`compile(...,
-# check_finite_gradients=...)`, on by default) is timed on its own by the
+# non_finite_gradients=...)`, "skip" by default) is timed on its own by the
 # third copy, which turns it off.
 UNCHECKED = MODEL_NAMES[2]
 TARGET_RATIO = 1.03
@@ -167,7 +167,7 @@ def build_model(keras, model_class, check_finite=True, steps_per_execution=1):
     x = keras.layers.Dense(128, activation="relu")(x)
     outputs = keras.layers.Dense(NUM_CLASSES)(x)
     model = model_class(inputs, outputs)
-    extra = {} if check_finite else {"check_finite_gradients": False}
+    extra = {} if check_finite else {"non_finite_gradients": "apply"}
     if steps_per_execution != 1:
         extra["steps_per_execution"] = steps_per_execution
     model.compile(
