@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from keras_dist import models as models
     from keras_dist import noise_scale as noise_scale
     from keras_dist import optimizers as optimizers
+    from keras_dist import sharding as sharding
     from keras_dist import strategy as strategy
     from keras_dist import testing as testing
     from keras_dist.batch_size import find_max_batch_size as find_max_batch_size
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from keras_dist.optimizers import (
         GradientAccumulationOptimizer as GradientAccumulationOptimizer,
     )
+    from keras_dist.sharding import ShardedOptimizer as ShardedOptimizer
     from keras_dist.strategy import auto_strategy as auto_strategy
 
 _PUBLIC = {
@@ -59,6 +61,7 @@ _PUBLIC = {
         "keras_dist.optimizers",
         "GradientAccumulationOptimizer",
     ),
+    "ShardedOptimizer": ("keras_dist.sharding", "ShardedOptimizer"),
     "auto_strategy": ("keras_dist.strategy", "auto_strategy"),
     "init_memory_growth": ("keras_dist.memory", "init_memory_growth"),
     "find_max_batch_size": ("keras_dist.batch_size", "find_max_batch_size"),
@@ -72,6 +75,7 @@ _PUBLIC = {
     "models": ("keras_dist.models", None),
     "noise_scale": ("keras_dist.noise_scale", None),
     "optimizers": ("keras_dist.optimizers", None),
+    "sharding": ("keras_dist.sharding", None),
     "strategy": ("keras_dist.strategy", None),
     "testing": ("keras_dist.testing", None),
     # Imports tf_keras (and tfmot, when installed) on first access only.

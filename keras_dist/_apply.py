@@ -17,7 +17,7 @@ import tensorflow as tf
 from keras_dist._compat import keras_src
 from keras_dist.core.aggregation import apply_reduced, reduce_gradients
 from keras_dist.core.hooks import AllReduceHook
-from keras_dist.core.optimizer_view import OptimizerView, view_of
+from keras_dist.core.optimizer_view import OptimizerView, nested_optimizers, view_of
 from keras_dist.core.statistics import gradient_statistics
 
 
@@ -115,13 +115,28 @@ def reduce_and_apply(
             compiles no Python callback). Defaults to `True`.
 
     Returns:
-        The list of summed gradients.
+        The list of summed gradients (`None` for a sharded optimizer, which
+        keeps only its slice of them).
 
     When `GradientStatistics` are attached to `optimizer`, their squared
     gradient norms are recorded too (see `GradientStatistics.record`).
     """
     variables = list(variables)
     build_optimizer(optimizer, variables)
+    for nested in nested_optimizers(optimizer):
+        # A sharded optimizer reduce-scatters the gradients itself
+        # (keras_dist.ShardedOptimizer).
+        shard_and_apply = getattr(nested, "shard_and_apply", None)
+        if shard_and_apply is not None:
+            shard_and_apply(
+                gradients,
+                variables,
+                hook=hook,
+                batch_size=batch_size,
+                non_finite_gradients=non_finite_gradients,
+                log_skips=log_skips,
+            )
+            return None
     gradients, variables = filter_empty_gradients(gradients, variables)
     view = optimizer_view(optimizer)
     grads, trainable, reduced = reduce_gradients(

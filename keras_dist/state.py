@@ -26,6 +26,7 @@ import weakref
 import keras
 
 from keras_dist.core import inventory as inventory_lib
+from keras_dist.core.optimizer_view import nested_optimizers
 from keras_dist.core.statistics import gradient_statistics
 from keras_dist.optimizers import find_accumulator
 
@@ -96,7 +97,11 @@ def training_state(model) -> inventory_lib.StateInventory:
     state = inventory_lib.StateInventory()
     _add(state, "model", model.variables)
     if optimizer is not None:
-        _add(state, "optimizer", optimizer.variables)
+        # A sharded optimizer's slices are pieces of one vector.
+        shards = {}
+        for nested in nested_optimizers(optimizer):
+            shards.update(getattr(nested, "shard_rules", {}))
+        _add(state, "optimizer", optimizer.variables, shards)
         for hook in hooks:
             if hook is not None and hook.built:
                 for name, variable in zip(hook.state_names, hook.state_variables):
@@ -112,12 +117,19 @@ def training_state(model) -> inventory_lib.StateInventory:
     return state
 
 
-def _add(state, group, variables) -> None:
+def _add(state, group, variables, shards=None) -> None:
     for variable in variables:
         tf_variable = (
             variable.value if isinstance(variable, keras.Variable) else variable
         )
-        state.add(group, tf_variable, _name_of(variable, tf_variable))
+        length = (shards or {}).get(id(tf_variable))
+        state.add(
+            group,
+            tf_variable,
+            _name_of(variable, tf_variable),
+            rule=None if length is None else "shard",
+            length=length,
+        )
 
 
 def _name_of(variable, tf_variable) -> str:

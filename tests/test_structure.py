@@ -44,6 +44,7 @@ LAYERS = [
             "keras_dist.compression",
             "keras_dist._apply",
             "keras_dist.optimizers",
+            "keras_dist.sharding",
             "keras_dist.schedules",
             "keras_dist._fit_data",
         ],

@@ -84,6 +84,24 @@ def optimizer_all_reduce_disabled(optimizer):
                     _patch_depth[id(target)] = depth
 
 
+def backend_update_step(optimizer, gradients, variables, learning_rate) -> None:
+    """Runs `optimizer`'s own update of `variables` and nothing else.
+
+    `Optimizer._backend_update_step` is what `apply` calls after clipping
+    and weight decay: the update rule of the optimizer class (with its own
+    per-step state, such as Nadam's `u_product`), without the iteration
+    count or EMA. keras_dist's sharded optimizer runs it on each replica's
+    slice, with Keras's cross-replica sum switched off.
+    """
+    with optimizer_all_reduce_disabled(optimizer):
+        optimizer._backend_update_step(gradients, variables, learning_rate)
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    """Whether `optimizer` decays `variable` (its exclusions applied)."""
+    return optimizer.weight_decay is not None and optimizer._use_weight_decay(variable)
+
+
 # --- Trainer internals that a train_step needs ------------------------------
 
 

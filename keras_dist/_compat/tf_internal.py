@@ -9,6 +9,8 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
 from tensorflow.python.distribute import cross_device_utils as _cross_device_utils
+from tensorflow.python.distribute import device_util as _device_util
+from tensorflow.python.ops import collective_ops as _collective_ops
 
 # --- Collective keys -------------------------------------------------------
 #
@@ -83,3 +85,59 @@ def is_multi_worker(strategy) -> bool:
         isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
         and strategy.extended._in_multi_worker_mode()
     )
+
+
+# --- All-to-all -------------------------------------------------------------
+#
+# TensorFlow has an all-to-all collective on CPUs and GPUs
+# (`collective_ops.all_to_all_v2`) but no replica-context API for it, and its
+# reduce-scatter resolves only on NCCL. keras_dist builds reduce-scatter from
+# it (`keras_dist.core.collectives.reduce_scatter`), issued through the same
+# per-device launcher as the strategy's own collectives: its group, the next
+# instance key of that group and its ordering token, so it is ordered with
+# them and keyed like them.
+
+
+def _collective_all_reduce(strategy):
+    extended = strategy.extended
+    for attribute in ("_collective_ops", "_cross_device_ops"):
+        ops = getattr(extended, attribute, None)
+        if isinstance(ops, _cross_device_ops.CollectiveAllReduce):
+            return ops
+    raise ValueError(
+        f"{type(strategy).__name__} has no collective ops for an all-to-all "
+        "(keras_dist's reduce-scatter). Use MirroredStrategy or "
+        "MultiWorkerMirroredStrategy with their default cross-device ops."
+    )
+
+
+def all_to_all(strategy, tensor):
+    """Replica context: row `i` of `tensor` goes to replica `i`.
+
+    Args:
+        strategy: The strategy whose replica context this is.
+        tensor: A tensor whose first dimension is the number of replicas.
+
+    Returns:
+        The rows every replica sent to this one, in replica order.
+    """
+    device = _device_util.canonicalize(_device_util.current())
+    for launcher in _collective_all_reduce(strategy)._launchers:
+        if launcher._device == device:
+            break
+    else:
+        raise RuntimeError(
+            f"No collective launcher for device {device}: call all_to_all in "
+            "the replica context of the strategy that owns the replica."
+        )
+    options = launcher._options
+    with tf.device(launcher._device):
+        return _collective_ops.all_to_all_v2(
+            tensor,
+            launcher._group_size,
+            launcher._group_key,
+            launcher._next_instance_key(),
+            communication_hint=options.implementation.value,
+            timeout=options.timeout_seconds or 0,
+            ordering_token=launcher._get_ordering_token(),
+        )

@@ -58,7 +58,7 @@ class AccumulationCycle:
         """The position of `variable`'s accumulator; `KeyError` if unknown."""
         return self._index[id(variable)]
 
-    def accumulate(self, grads, variables, apply, batch_size=None):
+    def accumulate(self, grads, variables, apply, batch_size=None, weighted=False):
         """Adds this replica's `grads`; on every k-th call runs `apply`.
 
         Runs in replica context.
@@ -72,6 +72,10 @@ class AccumulationCycle:
             batch_size: Int, scalar tensor or `None`. This replica's number of
                 examples in the micro-batch; `None` counts each micro-step as
                 one.
+            weighted: Bool. `grads` are already sums over this micro-step's
+                examples of every replica (a sharded optimizer reduce-scatters
+                `gradient * examples * replicas`): they are added as they are.
+                Defaults to `False`.
         """
         accumulators = [self.accumulators[self.index(v)] for v in variables]
         # Accumulate the gradient of the *sum* of this replica's example
@@ -82,7 +86,9 @@ class AccumulationCycle:
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         examples = tf.cast(1 if batch_size is None else batch_size, tf.float32)
         for accumulator, grad in zip(accumulators, grads):
-            weight = tf.cast(examples * replicas, accumulator.dtype)
+            weight = tf.cast(
+                1.0 if weighted else examples * replicas, accumulator.dtype
+            )
             accumulator.assign_add(
                 tf.cast(tf.convert_to_tensor(as_gradient(grad)), accumulator.dtype)
                 * weight

@@ -216,7 +216,7 @@ def all_finite(gradients):
     )
 
 
-def apply_if_finite(reduced, apply, on_skip=None):
+def apply_if_finite(reduced, apply, on_skip=None, finite=None):
     """Runs `apply(reduced)` only where every reduced gradient is finite.
 
     Runs in replica context. The decision is a `tf.cond` in cross-replica
@@ -231,15 +231,19 @@ def apply_if_finite(reduced, apply, on_skip=None):
             are all finite.
         on_skip: Callable or `None`. Run (cross-replica context) instead of
             `apply` otherwise.
+        finite: Boolean scalar or `None`: the decision, when it is not
+            `all_finite(reduced)` (it must be the same on every replica:
+            sharded updates all-reduce it over the slices).
 
     Returns:
         A boolean scalar: whether `apply` ran.
     """
 
-    def cross_replica(strategy, reduced):
-        finite = strategy.experimental_local_results(
-            strategy.extended.call_for_each_replica(all_finite, args=(reduced,))
-        )[0]
+    if finite is None:
+        finite = all_finite(reduced)
+
+    def cross_replica(strategy, reduced, finite):
+        finite = strategy.experimental_local_results(finite)[0]
 
         def update():
             strategy.extended.call_for_each_replica(apply, args=(reduced,))
@@ -253,11 +257,13 @@ def apply_if_finite(reduced, apply, on_skip=None):
         return tf.cond(finite, update, skip)
 
     return tf.distribute.get_replica_context().merge_call(
-        cross_replica, args=(reduced,)
+        cross_replica, args=(reduced, finite)
     )
 
 
-def apply_reduced(reduced, apply, non_finite, iterations, loss_scaled, how_to_raise):
+def apply_reduced(
+    reduced, apply, non_finite, iterations, loss_scaled, how_to_raise, finite=None
+):
     """Applies the reduced gradients as `non_finite` says (replica context).
 
     Args:
@@ -269,6 +275,7 @@ def apply_reduced(reduced, apply, non_finite, iterations, loss_scaled, how_to_ra
         how_to_raise: String or `None`. How this front end asks for
             `"raise"`, for the warning of a skipped update; `None` skips
             without a warning (XLA compiles no Python callback).
+        finite: Boolean scalar or `None`: see `apply_if_finite`.
     """
     if loss_scaled or non_finite == "apply":
         apply(reduced)
@@ -276,7 +283,8 @@ def apply_reduced(reduced, apply, non_finite, iterations, loss_scaled, how_to_ra
         # The assert runs before any update (tf.function also orders
         # stateful ops in program order), so a failing step leaves the
         # weights as they were.
-        with tf.control_dependencies([assert_finite(reduced, iterations)]):
+        check = assert_finite(reduced, iterations, finite=finite)
+        with tf.control_dependencies([check]):
             apply(reduced)
     else:
         on_skip = None
@@ -285,7 +293,7 @@ def apply_reduced(reduced, apply, non_finite, iterations, loss_scaled, how_to_ra
             def on_skip():
                 _warn_skipped(iterations, how_to_raise)
 
-        apply_if_finite(reduced, apply, on_skip=on_skip)
+        apply_if_finite(reduced, apply, on_skip=on_skip, finite=finite)
 
 
 def _warn_skipped(iterations, how_to_raise) -> None:
@@ -304,14 +312,14 @@ def _warn_skipped(iterations, how_to_raise) -> None:
     tf.py_function(warn, [tf.convert_to_tensor(iterations)], [])
 
 
-def assert_finite(gradients, iterations):
+def assert_finite(gradients, iterations, finite=None):
     """An op that fails when any reduced gradient is NaN or infinite.
 
     The reduced gradients are identical on every replica and worker, so all
     of them stop at the same step, with this message.
     """
     return tf.debugging.Assert(
-        all_finite(gradients),
+        all_finite(gradients) if finite is None else finite,
         [
             "keras_dist: the all-reduced gradient is not finite (NaN or inf) at "
             "optimizer update",

@@ -25,6 +25,9 @@ on `R` (`reshard`):
 - `"first"` (`ONLY_FIRST_REPLICA`): every replica keeps the same value
   (PowerSGD's warm-start factors, step counters): replica 0's copy to all.
 - `"mean"` (`MEAN`): averaged, the mean to every replica.
+- `"shard"`: each replica holds its slice of one vector (a
+  `ShardedOptimizer`'s parameters and optimizer state): the slices are
+  joined, the padding dropped, and the vector split again for `R'`.
 - `"exact"` (`NONE`): no rule; restorable only on the same replica count.
 
 Mirrored state is restored as it is on any replica count.
@@ -41,7 +44,7 @@ import tensorflow as tf
 MIRRORED = "mirrored"
 PER_REPLICA = "per_replica"
 
-RULES = ("same", "sum", "first", "mean", "exact")
+RULES = ("same", "sum", "first", "mean", "shard", "exact")
 """The resharding rules; `"same"` is the rule of every mirrored entry."""
 
 _RULE_OF_AGGREGATION = {
@@ -66,6 +69,8 @@ class StateEntry:
         placement: String. `MIRRORED` or `PER_REPLICA`.
         rule: String, one of `RULES`: how it is restored on another
             number of replicas.
+        length: Int or `None`. For the `"shard"` rule: the length of the
+            vector the slices are pieces of (without padding).
     """
 
     name: str
@@ -73,6 +78,7 @@ class StateEntry:
     variable: object
     placement: str
     rule: str
+    length: int | None = None
 
     @property
     def per_replica(self) -> bool:
@@ -126,7 +132,14 @@ class StateInventory:
         self._seen: set[int] = set()
         self._providers: dict[str, weakref.ref] = {}
 
-    def add(self, group: str, variable, name: str, rule: str | None = None) -> None:
+    def add(
+        self,
+        group: str,
+        variable,
+        name: str,
+        rule: str | None = None,
+        length: int | None = None,
+    ) -> None:
         """Adds one TensorFlow variable under `"<group>/<name>"`.
 
         Args:
@@ -135,6 +148,7 @@ class StateInventory:
             name: String. Its path within the group.
             rule: String or `None`: one of `RULES`, or `None` for the rule
                 its placement and aggregation give (`rule_of`).
+            length: Int or `None`. The unpadded length, for `"shard"`.
 
         Raises:
             ValueError: `rule` is not one of `RULES`, or `"same"` for a
@@ -151,8 +165,13 @@ class StateInventory:
                 f"variable {group}/{name}."
             )
         self._seen.add(id(variable))
+        if (rule == "shard") != (length is not None):
+            raise ValueError(
+                "`length` goes with the 'shard' rule, and only with it. "
+                f"Received: rule={rule!r}, length={length!r} for {group}/{name}."
+            )
         self._entries.append(
-            StateEntry(f"{group}/{name}", group, variable, placement, rule)
+            StateEntry(f"{group}/{name}", group, variable, placement, rule, length)
         )
 
     def add_provider(self, name: str, provider) -> None:
@@ -215,6 +234,11 @@ def reshard(entry: StateEntry, value: np.ndarray, replicas: int) -> np.ndarray:
         return np.stack([share.astype(value.dtype)] * replicas)
     if entry.rule == "first":
         return np.stack([value[0]] * replicas)
+    if entry.rule == "shard":
+        flat = value.reshape(-1)[: entry.length]
+        size = max(1, -(-entry.length // replicas))
+        flat = np.pad(flat, (0, size * replicas - entry.length))
+        return flat.reshape(replicas, size)
     if entry.rule == "mean":
         return np.stack([value.mean(axis=0).astype(value.dtype)] * replicas)
     raise ValueError(

@@ -12,9 +12,11 @@ from keras_dist import state
 from keras_dist._compat import keras_src as _compat
 from keras_dist.core import aggregation
 from keras_dist.core.hooks import AllReduceHook
+from keras_dist.core.optimizer_view import nested_optimizers
 from keras_dist.core.plain import NoCompression
 from keras_dist.optimizers import GradientAccumulationOptimizer
 from keras_dist.parameter_server import training as _parameter_server
+from keras_dist.sharding import ShardedOptimizer
 from keras_dist.trainer.fit import FitMixin
 from keras_dist.trainer.functions import FunctionsMixin, check_scopes
 from keras_dist.trainer.saving import SavingMixin
@@ -160,31 +162,33 @@ class DistributedTrainerMixin(
                 `GradientAccumulationOptimizer` whose inner optimizer has no
                 loss scaling is already built, so it cannot be added.
         """
-        optimizer = _loss_scaling_inside_accumulation(keras.optimizers.get(optimizer))
+        optimizer = _loss_scaling_inside(keras.optimizers.get(optimizer))
         self._keras_dist.non_finite = aggregation.check_non_finite_gradients(
             non_finite_gradients
         )
+        wrapper = _innermost_wrapper(optimizer)
         if (
             auto_scale_loss
-            and isinstance(optimizer, GradientAccumulationOptimizer)
+            and wrapper is not None
             and self.dtype_policy.name == "mixed_float16"
         ):
             if not isinstance(
-                optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer
+                wrapper.inner_optimizer, keras.optimizers.LossScaleOptimizer
             ):
-                if optimizer.built:
+                if wrapper.built:
                     raise RuntimeError(
-                        "Under mixed_float16 the GradientAccumulationOptimizer's "
+                        f"Under mixed_float16 the {type(wrapper).__name__}'s "
                         "inner optimizer needs loss scaling, but it is already "
-                        "built. Pass `GradientAccumulationOptimizer("
+                        f"built. Pass `{type(wrapper).__name__}("
                         "keras.optimizers.LossScaleOptimizer(inner))` yourself."
                     )
                 logger.info(
-                    "mixed_float16: wrapping the accumulation optimizer's inner "
-                    "optimizer in a LossScaleOptimizer."
+                    "mixed_float16: wrapping the %s's inner optimizer in a "
+                    "LossScaleOptimizer.",
+                    type(wrapper).__name__,
                 )
-                optimizer.inner_optimizer = keras.optimizers.LossScaleOptimizer(
-                    optimizer.inner_optimizer, name="loss_scale_optimizer"
+                wrapper.inner_optimizer = keras.optimizers.LossScaleOptimizer(
+                    wrapper.inner_optimizer, name="loss_scale_optimizer"
                 )
             auto_scale_loss = False
         super().compile(optimizer, *args, auto_scale_loss=auto_scale_loss, **kwargs)
@@ -203,38 +207,50 @@ class DistributedTrainerMixin(
         return None
 
 
-def _loss_scaling_inside_accumulation(optimizer):
-    """`LossScaleOptimizer(GradientAccumulationOptimizer(inner))` reordered.
+# keras_dist's optimizer wrappers: loss scaling goes inside the innermost,
+# where the reduced gradient is checked and unscaled.
+_WRAPPERS = (GradientAccumulationOptimizer, ShardedOptimizer)
 
-    `apply_gradients` accumulates through the `GradientAccumulationOptimizer`
-    and applies with its inner optimizer, so an outer `LossScaleOptimizer`
-    would scale the loss and never unscale the update (its `apply` is not
-    on that path). Inside, it checks and unscales the reduced, accumulated
-    gradient, as `compile` arranges under `mixed_float16`.
+
+def _innermost_wrapper(optimizer):
+    """The innermost keras_dist wrapper among `optimizer` and what it wraps."""
+    wrappers = [o for o in nested_optimizers(optimizer) if isinstance(o, _WRAPPERS)]
+    return wrappers[-1] if wrappers else None
+
+
+def _loss_scaling_inside(optimizer):
+    """`LossScaleOptimizer(wrapper(...inner))` reordered to `wrapper(...
+    LossScaleOptimizer(inner))` for keras_dist's wrappers.
+
+    `apply_gradients` goes through `GradientAccumulationOptimizer` and
+    `ShardedOptimizer` and applies with their inner optimizer, so an outer
+    `LossScaleOptimizer` would scale the loss and never unscale the update
+    (its `apply` is not on that path). Inside the innermost wrapper, it
+    checks and unscales the reduced (accumulated) gradient, as `compile`
+    arranges under `mixed_float16`.
     """
-    if not (
-        isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        and isinstance(optimizer.inner_optimizer, GradientAccumulationOptimizer)
-    ):
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer
-    accumulator = optimizer.inner_optimizer
-    if optimizer.built or accumulator.built:
+    wrapper = _innermost_wrapper(optimizer.inner_optimizer)
+    if wrapper is None:
+        return optimizer
+    if optimizer.built or wrapper.built:
         raise RuntimeError(
-            "`optimizer` is a built `LossScaleOptimizer` around a "
-            "`GradientAccumulationOptimizer`; DistributedModel applies loss "
-            "scaling inside the accumulation and cannot reorder built "
-            f"optimizers. Received: optimizer={optimizer!r}. Pass "
-            "`GradientAccumulationOptimizer(keras.optimizers."
-            "LossScaleOptimizer(inner))` instead."
+            f"`optimizer` is a built `LossScaleOptimizer` around a "
+            f"`{type(wrapper).__name__}`; DistributedModel applies loss "
+            "scaling inside it and cannot reorder built optimizers. Received: "
+            f"optimizer={optimizer!r}. Pass `{type(wrapper).__name__}("
+            "keras.optimizers.LossScaleOptimizer(inner))` instead."
         )
     logger.info(
-        "Moving the LossScaleOptimizer inside the GradientAccumulationOptimizer "
-        "(it checks and unscales the accumulated, reduced gradient)."
+        "Moving the LossScaleOptimizer inside the %s (it checks and unscales "
+        "the reduced gradient).",
+        type(wrapper).__name__,
     )
-    accumulator.inner_optimizer = keras.optimizers.LossScaleOptimizer(
-        accumulator.inner_optimizer,
+    wrapper.inner_optimizer = keras.optimizers.LossScaleOptimizer(
+        wrapper.inner_optimizer,
         initial_scale=optimizer.initial_scale,
         dynamic_growth_steps=optimizer.dynamic_growth_steps,
         name=optimizer.name,
     )
-    return accumulator
+    return optimizer.inner_optimizer

@@ -1,0 +1,138 @@
+"""Optimizer-state sharding (ZeRO stages 1 and 2): the layout and the collectives.
+
+Every replica holds the whole model but owns one equal slice of its
+parameters, flattened into one vector and padded to a multiple of the
+replica count `N`: replica `i` owns elements `[i*S, (i+1)*S)`, `S =
+ceil(P / N)`. An update (Rajbhandari et al., "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", SC 2020; PyTorch's
+`ZeroRedundancyOptimizer`):
+
+1. the gradients, flattened the same way, are reduce-scattered: each
+   replica gets the sum over replicas of its slice only;
+2. each replica runs the optimizer on its slice, with optimizer state
+   (slots, the float32 master copy) for its slice only: 1/N of it;
+3. the updated slices are all-gathered into every replica's weights.
+
+A reduce-scatter plus an all-gather move the bytes of one ring all-reduce.
+Stage 2 also reduce-scatters each micro-step's gradients into slice-sized
+accumulators. This module is pure TensorFlow; the Keras 3 front end is
+`keras_dist.ShardedOptimizer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from keras_dist.core import collectives
+
+
+@contextlib.contextmanager
+def replica_local_variables():
+    """Variables created inside are per replica (`ON_READ`), not mirrored.
+
+    Each replica reads and writes its own copy with no communication: what
+    the slices and their optimizer state need, since every replica holds a
+    different slice. A cross-replica read returns the first replica's copy;
+    saving gathers them (`ShardedOptimizer`). `tf.variable_creator_scope`
+    sets the synchronization before the strategy's own creator runs.
+    """
+
+    def creator(next_creator, **kwargs):
+        kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
+        kwargs["aggregation"] = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        yield
+
+
+class ShardLayout:
+    """How variables map onto equal slices of one flat vector.
+
+    Args:
+        shapes: List of the variables' shapes (tuples of ints), in order.
+        replicas: Int. The number of replicas `N` sharing the state.
+    """
+
+    def __init__(self, shapes, replicas: int):
+        self.shapes = [tuple(int(d) for d in shape) for shape in shapes]
+        self.sizes = [math.prod(shape) for shape in self.shapes]
+        self.offsets = list(np.cumsum([0, *self.sizes[:-1]]).astype(int))
+        self.total = int(sum(self.sizes))
+        self.replicas = int(replicas)
+        self.slice_size = max(1, -(-self.total // self.replicas))
+        self.padded = self.slice_size * self.replicas
+
+    def flatten(self, tensors, dtype=None):
+        """The tensors as one vector of `padded` elements (zeros at the end)."""
+        flat = tf.concat(
+            [tf.reshape(tf.cast(t, dtype) if dtype else t, [-1]) for t in tensors],
+            axis=0,
+        )
+        return tf.pad(flat, [[0, self.padded - self.total]])
+
+    def unflatten(self, flat) -> list:
+        """The inverse of `flatten`: one tensor per variable, in its shape."""
+        parts = tf.split(flat[: self.total], self.sizes)
+        return [tf.reshape(part, shape) for part, shape in zip(parts, self.shapes)]
+
+    def local(self, flat, replica_id):
+        """Replica `replica_id`'s slice of a flat vector (or array)."""
+        return tf.slice(flat, [replica_id * self.slice_size], [self.slice_size])
+
+    def segment_ids(self) -> np.ndarray:
+        """The variable index of every flat element (`len(shapes)`: padding)."""
+        ids = np.repeat(np.arange(len(self.sizes)), self.sizes)
+        padding = np.full(self.padded - self.total, len(self.sizes))
+        return np.concatenate([ids, padding]).astype(np.int32)
+
+    def element_mask(self, flags) -> np.ndarray:
+        """1.0 where the element's variable has its flag set, else 0.0."""
+        per_variable = np.asarray([1.0 if flag else 0.0 for flag in flags] + [0.0])
+        return per_variable[self.segment_ids()].astype(np.float32)
+
+    def reshard(self, slices: np.ndarray, replicas: int) -> np.ndarray:
+        """Slices `[N, S]` saved on `N` replicas as slices for `replicas`."""
+        flat = np.asarray(slices).reshape(-1)[: self.total]
+        other = ShardLayout(self.shapes, replicas)
+        flat = np.pad(flat, (0, other.padded - other.total))
+        return flat.reshape(replicas, other.slice_size)
+
+
+def reduce_to_owners(layout: ShardLayout, flat):
+    """Reduce-scatter of a flattened gradient: this replica's summed slice."""
+    return collectives.reduce_scatter(flat)
+
+
+def gather_slices(layout: ShardLayout, local_slice) -> list:
+    """All-gathers every replica's slice; returns the tensors, unflattened."""
+    flat = tf.reshape(collectives.all_gather(local_slice[None], axis=0), [-1])
+    return layout.unflatten(flat)
+
+
+def global_norm(local_slice):
+    """The norm of the whole (sliced) vector: an all-reduced scalar."""
+    local = tf.reduce_sum(tf.square(tf.cast(local_slice, tf.float32)))
+    return tf.sqrt(collectives.all_reduce(local))
+
+
+def per_variable_norms(layout: ShardLayout, local_slice, local_segments):
+    """Each variable's norm from the slices: one all-reduced vector."""
+    local = tf.math.unsorted_segment_sum(
+        tf.square(tf.cast(local_slice, tf.float32)),
+        local_segments,
+        len(layout.sizes) + 1,
+    )
+    return tf.sqrt(collectives.all_reduce(local))
+
+
+def count_non_finite(local_slice):
+    """Non-finite entries over every replica's slice: an all-reduced int."""
+    local = tf.reduce_sum(
+        tf.cast(tf.logical_not(tf.math.is_finite(local_slice)), tf.int32)
+    )
+    return collectives.all_reduce(local)

@@ -1,0 +1,678 @@
+"""`ShardedOptimizer`: each replica keeps 1/N of the optimizer state (ZeRO)."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_dist import _apply, _registration  # noqa: F401 (registers the hooks)
+from keras_dist._compat import keras_src as _compat
+from keras_dist._validation import check_int
+from keras_dist.core import accumulation, aggregation, collectives, sharding, topology
+from keras_dist.core.optimizer_view import nested_optimizers
+from keras_dist.core.plain import NoCompression
+
+# Optimizers whose update of an element depends only on that element's
+# gradient, state and the step: they give the same result on a slice.
+ELEMENTWISE = (
+    keras.optimizers.SGD,
+    keras.optimizers.Adam,
+    keras.optimizers.AdamW,
+    keras.optimizers.Adamax,
+    keras.optimizers.Nadam,
+    keras.optimizers.RMSprop,
+    keras.optimizers.Adagrad,
+    keras.optimizers.Adadelta,
+    keras.optimizers.Ftrl,
+    keras.optimizers.Lion,
+)
+
+_REFUSED_BASE_KWARGS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+
+@keras.saving.register_keras_serializable(package="keras_dist")
+class ShardedOptimizer(keras.optimizers.Optimizer):
+    """Shards the optimizer state over the replicas: ZeRO stages 1 and 2.
+
+    Adam keeps two slots per weight, so every replica of a model of `P`
+    float32 parameters holds `8P` bytes of optimizer state, the same on every
+    replica. Wrapped in `ShardedOptimizer`, each of the `N` replicas owns an
+    equal slice of the flattened parameters and keeps the optimizer state of
+    its slice only: `8P / N` bytes, plus its float32 copy of the slice
+    (`4P / N`). An update reduce-scatters the gradients (each replica gets
+    the sum of its slice), runs the wrapped optimizer's own update on the
+    slice, and all-gathers the updated slices into every replica's weights:
+    the bytes of one all-reduce, as without sharding (Rajbhandari et al.,
+    "ZeRO", SC 2020; PyTorch's `ZeroRedundancyOptimizer`). The weights equal
+    the unsharded optimizer's, to float rounding.
+
+    With `accumulation_steps=k > 1` (stage 2) every micro-step's gradients
+    are reduce-scattered into slice-sized accumulators (their memory is 1/N
+    too), and the update runs on every k-th. Communication then happens on
+    every micro-step; `GradientAccumulationOptimizer(ShardedOptimizer(...),
+    k)` keeps full-size local accumulators and communicates on updates only
+    (stage 1 with accumulation): pick by what is scarcer, memory or network.
+
+    Works with `DistributedModel` and with a plain `keras.Model`, under
+    `MirroredStrategy`, `MultiWorkerMirroredStrategy` and without a strategy
+    (one replica: nothing is sharded). What composes:
+
+    - the inner optimizer's `clipnorm` (per variable), `global_clipnorm` and
+      `clipvalue` act on the summed gradient, exactly (the norms are
+      all-reduced from the slices); `weight_decay` and
+      `exclude_from_weight_decay` act per element of the slice;
+    - `LossScaleOptimizer` (mixed precision): inside, as
+      `ShardedOptimizer(LossScaleOptimizer(inner))`, which
+      `DistributedModel.compile` arranges under `mixed_float16`;
+    - `DistributedModel(..., all_reduce_hook=NoCompression())` only: a
+      compressing hook would need a compressed reduce-scatter, which is not
+      built; the hook is refused by name;
+    - `BackupAndRestore`, `.keras` files and `tf.train.Checkpoint`: the state
+      is saved whole (gathered from the slices) and resharded on load, on any
+      number of replicas.
+
+    Inner optimizers whose update of an element needs other elements of its
+    variable are refused (Adafactor's factored moments, Lamb's per-variable
+    trust ratio, Muon): their update on a slice would differ. Use them
+    unsharded.
+
+    Args:
+        inner_optimizer: `keras.optimizers.Optimizer`, one of the elementwise
+            ones (`ELEMENTWISE`: SGD, Adam, AdamW, Adamax, Nadam, RMSprop,
+            Adagrad, Adadelta, Ftrl, Lion, or a subclass), or a
+            `LossScaleOptimizer` around one.
+        accumulation_steps: Int >= 1. Micro-steps per update, with
+            reduce-scattered slice accumulators (stage 2). Defaults to `1`.
+        name: String or `None`. Name of the optimizer.
+        **kwargs: Base optimizer arguments, accepted only at their Keras
+            default values: set them on `inner_optimizer`.
+
+    Raises:
+        TypeError: `inner_optimizer` is not a Keras optimizer.
+        ValueError: an optimizer that is not elementwise, EMA, Keras's own
+            gradient accumulation, an optimizer that is already sharded or
+            accumulating, or a refused argument.
+
+    Example:
+
+    ```python
+    with strategy.scope():
+        model = keras_dist.DistributedModel(inputs, outputs)
+        model.compile(
+            optimizer=keras_dist.ShardedOptimizer(keras.optimizers.Adam(1e-3)),
+            loss="sparse_categorical_crossentropy",
+        )
+    ```
+    """
+
+    def __init__(self, inner_optimizer, accumulation_steps=1, name=None, **kwargs):
+        for arg_name, default in _REFUSED_BASE_KWARGS.items():
+            if arg_name in kwargs and kwargs.pop(arg_name) != default:
+                raise ValueError(
+                    f"ShardedOptimizer does not support `{arg_name}`. Set "
+                    f"`{arg_name}` on the `inner_optimizer` instead."
+                )
+        if kwargs:
+            raise ValueError(
+                "ShardedOptimizer does not support arguments: "
+                f"{', '.join(f'`{k}`' for k in kwargs)}. Received: {kwargs!r}."
+            )
+        _check_inner(inner_optimizer)
+        steps = check_int(
+            "accumulation_steps",
+            accumulation_steps,
+            minimum=1,
+            maximum=10**9,
+            hint="1 means no accumulation.",
+        )
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        self._accumulation_steps = steps
+
+    # --- The wrapped optimizer ----------------------------------------------
+
+    @property
+    def _base(self):
+        """The optimizer that updates the slices (inside loss scaling)."""
+        inner = self.inner_optimizer
+        if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+            return inner.inner_optimizer
+        return inner
+
+    @property
+    def _loss_scaler(self):
+        inner = self.inner_optimizer
+        if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+            return inner
+        return None
+
+    @property
+    def variables(self):
+        return _compat.optimizer_own_variables(self) + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        """Number of updates applied (the inner optimizer's iterations)."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def loss_scale_factor(self):
+        """The inner optimizer's `loss_scale_factor`."""
+        inner = getattr(self, "inner_optimizer", None)
+        return None if inner is None else inner.loss_scale_factor
+
+    @loss_scale_factor.setter
+    def loss_scale_factor(self, value):
+        inner = getattr(self, "inner_optimizer", None)
+        if inner is not None:
+            inner.loss_scale_factor = value
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-steps per update (stage 2 when > 1)."""
+        return self._accumulation_steps
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Excludes variables from the inner optimizer's weight decay."""
+        self._base.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    # --- State ----------------------------------------------------------------
+
+    def build(self, var_list):
+        var_list = list(var_list)
+        strategy = tf.distribute.get_strategy()
+        if _compat.optimizer_strategy(self._base) is not strategy:
+            raise ValueError(
+                "The `inner_optimizer` was created outside the strategy scope "
+                "the model trains under. Create it inside `with "
+                "strategy.scope():`, together with the model."
+            )
+        dtypes = {tf.as_dtype(v.dtype) for v in var_list}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating:
+            raise ValueError(
+                "ShardedOptimizer shards variables of one floating-point dtype. "
+                f"Received: trainable variables of dtypes "
+                f"{sorted(d.name for d in dtypes)}. Mark the others "
+                "`trainable=False`."
+            )
+        dtype = next(iter(dtypes))
+        replicas = strategy.num_replicas_in_sync
+        layout = sharding.ShardLayout([v.shape for v in var_list], replicas)
+        _compat.set_untracked_attribute(
+            self,
+            "_shards",
+            _Shards(layout, var_list, self._base, strategy),
+        )
+        with sharding.replica_local_variables():
+            self._slice = keras.Variable(
+                np.zeros(layout.slice_size), dtype=dtype, name="parameter_slice"
+            )
+            if self._loss_scaler is not None:
+                self._loss_scaler.build([self._slice])
+            else:
+                self._base.build([self._slice])
+            if self._accumulation_steps > 1:
+                self._accumulator = keras.Variable(
+                    np.zeros(layout.slice_size),
+                    dtype=dtype,
+                    name="gradient_slice_accumulator",
+                )
+        if self._accumulation_steps > 1:
+            self._build_cycle()
+        # Keras's saving visits `inner_optimizer` (and what it wraps) on its
+        # own, calling their `save_own_variables`: a sharded slot would be
+        # saved as the first replica's slice. Those of these instances go
+        # through the same gathering and resharding as this wrapper's.
+        for inner in nested_optimizers(self.inner_optimizer):
+            _compat.set_untracked_attribute(
+                inner,
+                "save_own_variables",
+                lambda store, inner=inner: _save_whole(self, inner.variables, store),
+            )
+            _compat.set_untracked_attribute(
+                inner,
+                "load_own_variables",
+                lambda store, inner=inner: _load_whole(self, inner.variables, store),
+            )
+        super().build(var_list)
+
+    def _build_cycle(self):
+        examples = _compat.add_replica_local_variable(
+            self, tf.zeros((), tf.float32), name="accumulated_examples"
+        )
+
+        def counter(name, value):
+            return self.add_variable(
+                shape=(),
+                dtype="int64",
+                initializer=keras.initializers.Constant(value),
+                aggregation="only_first_replica",
+                name=name,
+            )
+
+        _compat.set_untracked_attribute(
+            self,
+            "_cycle",
+            accumulation.AccumulationCycle(
+                [self._accumulator],
+                examples,
+                counter("pending_micro_steps", 0),
+                counter("micro_steps", 0),
+                counter("accumulation_steps", self._accumulation_steps),
+                [self._slice],
+            ),
+        )
+
+    @property
+    def shard_rules(self) -> dict:
+        """`id(variable) -> unpadded length` of the per-replica slices.
+
+        What `keras_dist.state.training_state` records as the `"shard"`
+        rule: the slices are pieces of one vector, resharded (not summed or
+        copied) on another replica count.
+        """
+        if not self.built:
+            return {}
+        total = self._shards.layout.total
+        sliced = [self._slice, *self._base.variables]
+        if self._accumulation_steps > 1:
+            sliced.append(self._accumulator)
+        return {
+            id(_tf(v)): total
+            for v in sliced
+            if tuple(v.shape) == (self._shards.layout.slice_size,)
+        }
+
+    # --- Update ---------------------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        """Reduce-scatters `grads`, updates the slices, all-gathers them.
+
+        What a plain `keras.Model`'s `train_step` calls (replica context);
+        `DistributedModel` calls `shard_and_apply` with its batch sizes.
+        """
+        if trainable_variables is None:
+            trainable_variables = _compat.optimizer_trainable_variables(self)
+        self.shard_and_apply(grads, trainable_variables)
+
+    def shard_and_apply(
+        self,
+        grads,
+        trainable_variables,
+        hook=None,
+        batch_size=None,
+        non_finite_gradients="apply",
+        log_skips=True,
+    ):
+        """The sharded update of `trainable_variables` (replica context).
+
+        Args:
+            grads: List of this replica's gradients (`None`: zeros).
+            trainable_variables: List of the matching variables.
+            hook: The model's `AllReduceHook` or `None`: only
+                `NoCompression` (or `None`) is accepted.
+            batch_size: Int, scalar tensor or `None`. This replica's
+                examples: each replica's gradient weighs by its share of the
+                global batch (see `aggregation.weight_by_batch_share`).
+            non_finite_gradients: String, `"skip"`, `"raise"` or `"apply"`
+                (see `DistributedModel.compile`).
+            log_skips: Bool. Log a skipped update. Defaults to `True`.
+        """
+        if hook is not None and type(hook) is not NoCompression:
+            raise ValueError(
+                "ShardedOptimizer reduce-scatters the gradients itself; an "
+                f"all-reduce hook cannot compress that. Received: "
+                f"all_reduce_hook={hook!r}. Remove the hook (the default "
+                "`NoCompression()` sends the bytes of one all-reduce), or "
+                "train unsharded to compress."
+            )
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        shards = self._shards
+        grads = shards.in_order(grads, trainable_variables)
+        if self._accumulation_steps == 1:
+            if batch_size is not None:
+                grads = aggregation.weight_by_batch_share(grads, batch_size)
+            local = sharding.reduce_to_owners(
+                shards.layout, shards.layout.flatten(grads, self._slice.dtype)
+            )
+            self._update(local, non_finite_gradients, log_skips)
+            return
+        # Stage 2: the sum of every replica's examples' gradients, reduce-
+        # scattered now into the slice accumulator; the cycle divides by the
+        # examples on update (as `GradientAccumulationOptimizer` does).
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        examples = tf.cast(1 if batch_size is None else batch_size, tf.float32)
+        flat = shards.layout.flatten(grads, self._slice.dtype)
+        flat = flat * tf.cast(examples * replicas, flat.dtype)
+        local = sharding.reduce_to_owners(shards.layout, flat)
+
+        def apply(mean, _):
+            self._update(mean[0], non_finite_gradients, log_skips)
+
+        self._cycle.accumulate(
+            [local], [self._slice], apply, batch_size=batch_size, weighted=True
+        )
+
+    def _update(self, local, non_finite, log_skips):
+        """Updates this replica's slice with its summed gradient; gathers."""
+        shards = self._shards
+        base = self._base
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        scaler = self._loss_scaler
+        # Unscale, then clip, as Keras's `apply` does.
+        if scaler is not None:
+            local = local / tf.cast(scaler.dynamic_scale, local.dtype)
+        if base.loss_scale_factor is not None:
+            local = local / base.loss_scale_factor
+        finite = None
+        if scaler is not None or non_finite != "apply":
+            finite = tf.equal(sharding.count_non_finite(local), 0)
+        local = shards.clipped(local, replica)
+        # The slice of the model's current weights: the weights may have
+        # been set since the last update (set_weights, a restore).
+        self._slice.assign(
+            shards.layout.local(
+                shards.layout.flatten(shards.variables, self._slice.dtype), replica
+            )
+        )
+
+        def update(local):
+            # Run per replica, maybe from a cross-replica `cond`: this
+            # replica's values come in `local` and its own context.
+            (local,) = local
+            here = tf.distribute.get_replica_context().replica_id_in_sync_group
+            mask = shards.local_decay_mask(here)
+            if mask is not None:
+                learning_rate = tf.cast(base.learning_rate, local.dtype)
+                decay = tf.cast(base.weight_decay, local.dtype)
+                self._slice.assign_sub(self._slice * decay * learning_rate * mask)
+            _compat.backend_update_step(
+                base, [local], [self._slice], base.learning_rate
+            )
+            base.iterations.assign_add(1)
+
+        if scaler is not None:
+            _update_loss_scale(scaler, finite, update, [local])
+        else:
+            aggregation.apply_reduced(
+                [local],
+                update,
+                non_finite,
+                base.iterations,
+                loss_scaled=False,
+                how_to_raise=(
+                    "compile(..., non_finite_gradients='raise')" if log_skips else None
+                ),
+                finite=finite,
+            )
+        # Every replica's slice into every replica's weights.
+        shards.assign(sharding.gather_slices(shards.layout, self._slice.value))
+
+    # --- Saving: whole state, resharded on load -----------------------------
+
+    def save_own_variables(self, store):
+        """Saves this wrapper's variables, the slices gathered whole.
+
+        Keras's saving visits the inner optimizer on its own; its variables
+        go through the same gathering (see `build`).
+        """
+        _save_whole(self, _compat.optimizer_own_variables(self), store)
+
+    def load_own_variables(self, store):
+        """Loads what `save_own_variables` wrote, resharded for this strategy."""
+        _load_whole(self, _compat.optimizer_own_variables(self), store)
+
+    def _whole(self, variable):
+        """A variable's value to save: a slice variable gathered whole."""
+        rules = self.shard_rules
+        tf_variable = _tf(variable)
+        if id(tf_variable) not in rules:
+            return np.asarray(variable.numpy())
+        strategy = self._shards.strategy
+        slices = strategy.experimental_local_results(tf_variable)
+        if strategy.num_replicas_in_sync == len(slices):
+            whole = np.concatenate([np.asarray(s.numpy()) for s in slices])
+        else:
+            whole = np.asarray(collectives.gather_across(strategy, tf_variable))
+        return whole[: rules[id(tf_variable)]]
+
+    def _load(self, variable, value):
+        """Assigns a saved value; a whole vector is resharded into slices."""
+        tf_variable = _tf(variable)
+        if id(tf_variable) not in self.shard_rules:
+            variable.assign(value)
+            return
+        layout = self._shards.layout
+        slices = layout.reshard(value, layout.replicas)
+        strategy = self._shards.strategy
+        first, _ = topology.worker_layout(strategy)
+        for offset, component in enumerate(
+            strategy.experimental_local_results(tf_variable)
+        ):
+            component.assign(slices[first + offset])
+
+    # --- Serialization ----------------------------------------------------------
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(
+                self.inner_optimizer
+            ),
+            "accumulation_steps": self._accumulation_steps,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+
+def _save_whole(sharded, variables, store):
+    for index, variable in enumerate(variables):
+        store[str(index)] = sharded._whole(variable)
+
+
+def _load_whole(sharded, variables, store):
+    if len(store.keys()) != len(variables):
+        raise ValueError(
+            f"The saved optimizer has {len(store.keys())} variables; this one "
+            f"has {len(variables)}. Load it into the same optimizer and model."
+        )
+    for index, variable in enumerate(variables):
+        sharded._load(variable, np.asarray(store[str(index)]))
+
+
+class _Shards:
+    """One built `ShardedOptimizer`'s layout and what it derives from it."""
+
+    def __init__(self, layout, variables, base, strategy):
+        self.layout = layout
+        self.variables = list(variables)
+        self.strategy = strategy
+        self._index = {id(v): i for i, v in enumerate(self.variables)}
+        # NumPy, made into constants where used: the optimizer can be built
+        # inside one traced function and used in another.
+        self._segments = layout.segment_ids()
+        self._base = base
+        decayed = [_compat.uses_weight_decay(base, v) for v in self.variables]
+        self._decay = layout.element_mask(decayed) if any(decayed) else None
+
+    def in_order(self, grads, variables) -> list:
+        """Gradients in the layout's order; `None` and missing ones as zeros."""
+        by_index = {}
+        for grad, variable in zip(grads, variables):
+            index = self._index.get(id(variable))
+            if index is None:
+                raise ValueError(
+                    f"Variable {getattr(variable, 'path', variable.name)!r} was "
+                    "not known to the ShardedOptimizer when it was built. Build "
+                    "it on all trainable variables (compile the model, or "
+                    "`optimizer.build(model.trainable_variables)`)."
+                )
+            if grad is not None:
+                by_index[index] = aggregation.as_gradient(grad)
+        if not by_index:
+            raise ValueError("No gradients provided for any variable.")
+        return [
+            tf.convert_to_tensor(by_index[i])
+            if i in by_index
+            else tf.zeros(v.shape, v.dtype)
+            for i, v in enumerate(self.variables)
+        ]
+
+    def local_decay_mask(self, replica):
+        if self._decay is None:
+            return None
+        return self.layout.local(tf.constant(self._decay), replica)
+
+    def clipped(self, local, replica):
+        """The inner optimizer's clipping, on the summed gradient's slices."""
+        base = self._base
+        if base.clipvalue:
+            local = tf.clip_by_value(local, -base.clipvalue, base.clipvalue)
+        if base.clipnorm:
+            segments = self.layout.local(tf.constant(self._segments), replica)
+            norms = sharding.per_variable_norms(self.layout, local, segments)
+            factors = base.clipnorm / tf.maximum(norms, base.clipnorm)
+            local = local * tf.cast(tf.gather(factors, segments), local.dtype)
+        if base.global_clipnorm:
+            norm = sharding.global_norm(local)
+            factor = base.global_clipnorm / tf.maximum(norm, base.global_clipnorm)
+            local = local * tf.cast(factor, local.dtype)
+        return local
+
+    def assign(self, values) -> None:
+        """Every model variable its gathered value (cross-replica update)."""
+
+        def update_all(strategy, values):
+            for variable, value in zip(self.variables, values):
+                strategy.extended.update(
+                    _tf(variable), _assign, args=(value,), group=False
+                )
+                if getattr(variable, "constraint", None) is not None:
+                    strategy.extended.update(
+                        _tf(variable),
+                        lambda v, c=variable.constraint: v.assign(c(v)),
+                        group=False,
+                    )
+
+        tf.distribute.get_replica_context().merge_call(update_all, args=(values,))
+
+
+def _assign(variable, value):
+    return variable.assign(tf.cast(value, variable.dtype))
+
+
+def _update_loss_scale(scaler, finite, update, local):
+    """`LossScaleOptimizer`'s dynamic loss scaling, on the global decision.
+
+    The scaler's own `apply` decides from the first replica's gradients
+    before any reduction; here the decision is the all-reduced count of
+    non-finite entries of every slice. The same rule as
+    keras/src/optimizers/loss_scale_optimizer.py: a finite step updates and
+    doubles the scale every `dynamic_growth_steps` finite steps; a
+    non-finite one skips the update and halves the scale.
+    """
+
+    def cross_replica(strategy, finite, local):
+        finite = strategy.experimental_local_results(finite)[0]
+
+        def on_finite():
+            strategy.extended.call_for_each_replica(update, args=(local,))
+            count = scaler.step_counter + 1
+            grow = count >= scaler.dynamic_growth_steps
+            scaler.step_counter.assign(tf.where(grow, tf.zeros_like(count), count))
+            scaler.dynamic_scale.assign(
+                tf.where(grow, scaler.dynamic_scale * 2.0, scaler.dynamic_scale)
+            )
+            return tf.constant(True)
+
+        def on_non_finite():
+            scaler.step_counter.assign(0)
+            scaler.dynamic_scale.assign(scaler.dynamic_scale / 2.0)
+            return tf.constant(False)
+
+        return tf.cond(finite, on_finite, on_non_finite)
+
+    tf.distribute.get_replica_context().merge_call(cross_replica, args=(finite, local))
+
+
+def _tf(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _check_inner(inner):
+    if not isinstance(inner, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance. "
+            f"Received: inner_optimizer={inner!r}. Pass e.g. "
+            "`keras.optimizers.Adam(1e-3)`."
+        )
+    nested = list(nested_optimizers(inner))
+    base = nested[-1]
+    for optimizer in nested[:-1]:
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "`inner_optimizer` may be an optimizer or a LossScaleOptimizer "
+                f"around one. Received: {type(optimizer).__name__} around "
+                f"{type(base).__name__}. Wrap accumulation around the "
+                "ShardedOptimizer (`GradientAccumulationOptimizer("
+                "ShardedOptimizer(inner), k)`), or use its "
+                "`accumulation_steps`."
+            )
+    if not isinstance(base, ELEMENTWISE):
+        raise ValueError(
+            f"ShardedOptimizer needs an optimizer whose update of an element "
+            f"uses that element only; {type(base).__name__} needs a whole "
+            "variable (factored moments, a per-variable trust ratio or "
+            "norm), so its update of a slice would differ. Received: "
+            f"inner_optimizer={type(base).__name__}. Use one of "
+            f"{[cls.__name__ for cls in ELEMENTWISE]}, or train "
+            f"{type(base).__name__} unsharded."
+        )
+    if base.use_ema:
+        raise ValueError(
+            "ShardedOptimizer does not keep an exponential moving average of "
+            "the weights (it would be a whole copy of them on every replica). "
+            "Received: inner_optimizer with use_ema=True. Use "
+            "`keras.callbacks.SwapEMAWeights` with an unsharded optimizer."
+        )
+    if getattr(base, "gradient_accumulation_steps", None):
+        raise ValueError(
+            "`inner_optimizer` uses Keras's own `gradient_accumulation_steps`, "
+            "which fails under tf.distribute (keras-team/keras#20582). Use "
+            "`ShardedOptimizer(..., accumulation_steps=k)`."
+        )

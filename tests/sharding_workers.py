@@ -1,0 +1,54 @@
+"""Bodies of the sharded-optimizer tests that run in real worker processes.
+
+Like `workers.py`: no tests here, and neither pytest nor conftest imported.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+# name -> factory of the inner optimizer (also used by tests/test_sharding.py).
+INNER = {
+    "sgd": lambda keras: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda keras: keras.optimizers.Adam(0.01),
+    "adamw": lambda keras: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop": lambda keras: keras.optimizers.RMSprop(0.01, momentum=0.5),
+    "adagrad": lambda keras: keras.optimizers.Adagrad(0.1),
+    "adamax": lambda keras: keras.optimizers.Adamax(0.01),
+    "nadam": lambda keras: keras.optimizers.Nadam(0.01),
+    "lion": lambda keras: keras.optimizers.Lion(0.001),
+    "adadelta": lambda keras: keras.optimizers.Adadelta(1.0),
+    "ftrl": lambda keras: keras.optimizers.Ftrl(0.1, l2_regularization_strength=0.01),
+    "global_clipnorm": lambda keras: keras.optimizers.Adam(0.01, global_clipnorm=0.05),
+    "clipnorm": lambda keras: keras.optimizers.Adam(0.01, clipnorm=0.02),
+    "clipvalue": lambda keras: keras.optimizers.SGD(0.1, clipvalue=0.01),
+}
+
+
+def sharded_fit(names, accumulation_steps, micro_batch, epochs=2):
+    """ShardedOptimizer with DistributedModel on MultiWorkerMirroredStrategy."""
+    import keras
+    import tensorflow as tf
+    from helpers import compile_model, make_data, mlp, sharded_dataset
+
+    import keras_dist
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    x, y = make_data()
+    dataset = sharded_dataset(x, y, micro_batch * strategy.num_replicas_in_sync)
+    results = {}
+    for name in names:
+        with strategy.scope():
+            optimizer = keras_dist.ShardedOptimizer(
+                INNER[name](keras), accumulation_steps=accumulation_steps
+            )
+            model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
+        model.fit(dataset, epochs=epochs, verbose=0)
+        slots = optimizer.inner_optimizer.variables[-1]
+        local = strategy.experimental_local_results(slots.value)
+        results[name] = {
+            "weights": model.get_weights(),
+            "iterations": int(optimizer.iterations.numpy()),
+            "slot_shape": [tuple(c.shape) for c in local],
+        }
+    return results

@@ -1,0 +1,309 @@
+"""`ShardedOptimizer` (ZeRO stages 1 and 2): the unsharded result with 1/N of
+the optimizer state per replica.
+
+Every test compares with the same training unsharded (one device, the global
+batch): weights after about 100 updates to 1e-6 (float32) or 1e-3 (mixed
+precision).
+"""
+
+import keras
+import numpy as np
+import pytest
+import sharding_workers
+import tensorflow as tf
+from helpers import (
+    assert_config_round_trip,
+    compile_model,
+    make_data,
+    max_abs_diff,
+    mlp,
+)
+from sharding_workers import INNER
+
+import keras_dist
+from keras_dist.callbacks import BackupAndRestore
+from keras_dist.testing import run_workers
+
+EXAMPLES = 192  # 12 updates of 16 per epoch: 108 updates in 9 epochs
+EPOCHS = 9
+
+
+def unsharded(name, batch_size, epochs=EPOCHS, policy=None):
+    x, y = make_data(n=EXAMPLES)
+    model = compile_model(mlp(keras_dist.DistributedModel), INNER[name](keras))
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def sharded(strategy, name, micro_batch, steps=1, wrap_accumulation=False):
+    x, y = make_data(n=EXAMPLES)
+    with strategy.scope():
+        if wrap_accumulation:
+            optimizer = keras_dist.GradientAccumulationOptimizer(
+                keras_dist.ShardedOptimizer(INNER[name](keras)), steps
+            )
+        else:
+            optimizer = keras_dist.ShardedOptimizer(
+                INNER[name](keras), accumulation_steps=steps
+            )
+        model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
+    model.fit(x, y, batch_size=micro_batch, epochs=EPOCHS, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(INNER))
+def test_every_elementwise_optimizer_equals_unsharded_on_two_replicas(name, mirrored):
+    reference = unsharded(name, batch_size=16)
+    model = sharded(mirrored(2), name, micro_batch=16)
+    assert int(model.optimizer.iterations.numpy()) == EPOCHS * 12
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["adamw", "nadam", "clipnorm", "sgd"])
+def test_four_replicas_equal_unsharded(name, mirrored):
+    reference = unsharded(name, batch_size=16)
+    model = sharded(mirrored(4), name, micro_batch=16)
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+
+
+@pytest.mark.parametrize("wrap_accumulation", [False, True], ids=["stage2", "stage1"])
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_accumulation_equals_the_big_batch(replicas, wrap_accumulation, mirrored):
+    # 4 micro-steps of 4 examples: one update of 16, as the reference.
+    reference = unsharded("adam", batch_size=16)
+    model = sharded(
+        mirrored(replicas),
+        "adam",
+        micro_batch=4,
+        steps=4,
+        wrap_accumulation=wrap_accumulation,
+    )
+    assert int(model.optimizer.iterations.numpy()) == EPOCHS * 12
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_mixed_precision_equals_unsharded(steps, mirrored):
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        strategy = mirrored(2)
+        x, y = make_data(n=EXAMPLES)
+        with strategy.scope():
+            reference = compile_model(
+                mlp(keras_dist.DistributedModel), keras.optimizers.Adam(0.01)
+            )
+        reference.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+        with strategy.scope():
+            optimizer = keras_dist.ShardedOptimizer(
+                keras.optimizers.Adam(0.01), accumulation_steps=steps
+            )
+            model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
+        # DistributedModel.compile put the loss scaling inside.
+        assert isinstance(
+            optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer
+        )
+        model.fit(x, y, batch_size=16 // steps, epochs=3, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-3
+    assert int(model.optimizer.iterations.numpy()) == int(
+        reference.optimizer.iterations.numpy()
+    )
+
+
+def test_a_plain_keras_model_trains_sharded(mirrored):
+    reference = unsharded("adam", batch_size=16)
+    x, y = make_data(n=EXAMPLES)
+    with mirrored(2).scope():
+        model = compile_model(
+            mlp(), keras_dist.ShardedOptimizer(keras.optimizers.Adam(0.01))
+        )
+    model.fit(x, y, batch_size=16, epochs=EPOCHS, shuffle=False, verbose=0)
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_each_replica_keeps_one_nth_of_the_optimizer_state(replicas, mirrored):
+    strategy = mirrored(replicas)
+    model = sharded(strategy, "adam", micro_batch=16)
+    reference = unsharded("adam", batch_size=16, epochs=1)
+    parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    unsharded_bytes = sum(
+        int(np.prod(v.shape)) * 4
+        for v in reference.optimizer.variables
+        if tuple(v.shape) != ()
+    )
+    assert unsharded_bytes == 2 * parameters * 4  # Adam: two slots
+    inner = model.optimizer.inner_optimizer
+    per_replica = []
+    for replica in range(replicas):
+        per_replica.append(
+            sum(
+                int(
+                    np.prod(strategy.experimental_local_results(v.value)[replica].shape)
+                )
+                * 4
+                for v in inner.variables
+                if tuple(v.shape) != ()
+            )
+        )
+    slice_size = -(-parameters // replicas)
+    assert per_replica == [2 * slice_size * 4] * replicas
+    # 1/N of the unsharded state, plus the padding to a multiple of N.
+    assert per_replica[0] - unsharded_bytes / replicas < 2 * 4 * replicas
+
+
+def test_a_keras_file_saved_on_two_replicas_resumes_on_four(tmp_path, mirrored):
+    x, y = make_data(n=EXAMPLES)
+    reference = compile_model(mlp(keras_dist.DistributedModel), INNER["adam"](keras))
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    with mirrored(2).scope():
+        model = compile_model(
+            mlp(keras_dist.DistributedModel),
+            keras_dist.ShardedOptimizer(INNER["adam"](keras)),
+        )
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    model.save(tmp_path / "model.keras")
+    with mirrored(4).scope():
+        loaded = keras.saving.load_model(tmp_path / "model.keras")
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    loaded.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert max_abs_diff(reference.get_weights(), loaded.get_weights()) < 1e-6
+    # The weights load into a plain keras.Model of the same architecture.
+    model.save_weights(tmp_path / "model.weights.h5")
+    plain = mlp()
+    plain.load_weights(tmp_path / "model.weights.h5")
+    assert max_abs_diff(plain.get_weights(), model.get_weights()) == 0
+
+
+class _Crash(keras.callbacks.Callback):
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.seen = at, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.at:
+            raise KeyboardInterrupt("crash")
+
+
+def test_backup_and_restore_resumes_sharded_accumulation_exactly(tmp_path, mirrored):
+    strategy = mirrored(2)
+    x, y = make_data(n=EXAMPLES)
+
+    def run(folder, crash_at=None):
+        with strategy.scope():
+            model = compile_model(
+                mlp(keras_dist.DistributedModel),
+                keras_dist.ShardedOptimizer(INNER["adam"](keras), accumulation_steps=2),
+            )
+        callbacks = [BackupAndRestore(str(tmp_path / folder), save_freq=5)]
+        if crash_at:
+            callbacks.append(_Crash(crash_at))
+        try:
+            model.fit(
+                x,
+                y,
+                batch_size=8,
+                epochs=2,
+                shuffle=False,
+                verbose=0,
+                callbacks=callbacks,
+            )
+        except KeyboardInterrupt:
+            return None
+        return model
+
+    reference = run("r")
+    assert run("b", crash_at=17) is None  # mid-epoch, mid-accumulation
+    resumed = run("b")
+    assert max_abs_diff(reference.get_weights(), resumed.get_weights()) < 1e-6
+    assert int(resumed.optimizer.iterations.numpy()) == int(
+        reference.optimizer.iterations.numpy()
+    )
+
+
+def test_training_state_reshards_the_slices(mirrored):
+    model = sharded(mirrored(2), "adam", micro_batch=16)
+    entries = [e for e in model.training_state() if e.rule == "shard"]
+    # The parameter slice and Adam's two slots.
+    assert len(entries) == 3
+    parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert {e.length for e in entries} == {parameters}
+
+
+@pytest.mark.multiworker
+def test_two_worker_processes_equal_unsharded():
+    names = ["adam", "adamw", "clipnorm"]
+    results = run_workers(
+        sharding_workers.sharded_fit, num_workers=2, args=(names, 1, 8), timeout=400
+    )
+    stage2 = run_workers(
+        sharding_workers.sharded_fit, num_workers=2, args=(["sgd"], 4, 2), timeout=400
+    )
+    x, y = make_data()
+    for name, got in [
+        *((n, [r[n] for r in results]) for n in names),
+        ("sgd", [r["sgd"] for r in stage2]),
+    ]:
+        reference = compile_model(mlp(keras_dist.DistributedModel), INNER[name](keras))
+        reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        for worker in got:
+            assert max_abs_diff(reference.get_weights(), worker["weights"]) < 1e-6, name
+            # Each worker's one replica holds half of each slot.
+            parameters = sum(
+                int(np.prod(v.shape)) for v in reference.trainable_variables
+            )
+            assert worker["slot_shape"] == [(-(-parameters // 2),)]
+
+
+# --- Refusals and configuration ---
+
+
+@pytest.mark.parametrize(
+    ("inner", "match"),
+    [
+        (lambda: keras.optimizers.Adafactor(), "Adafactor needs a whole variable"),
+        (lambda: keras.optimizers.Lamb(), "Lamb needs a whole variable"),
+        (lambda: keras.optimizers.Adam(use_ema=True), "moving average"),
+        (
+            lambda: keras_dist.GradientAccumulationOptimizer(
+                keras.optimizers.Adam(), 2
+            ),
+            "Wrap accumulation around the ShardedOptimizer",
+        ),
+        (lambda: "adam", "must be a `keras.optimizers.Optimizer`"),
+    ],
+)
+def test_what_cannot_be_sharded_is_refused_by_name(inner, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        keras_dist.ShardedOptimizer(inner())
+
+
+def test_a_compressing_hook_is_refused(mirrored):
+    x, y = make_data(n=32)
+    with mirrored(2).scope():
+        model = compile_model(
+            mlp(keras_dist.DistributedModel),
+            keras_dist.ShardedOptimizer(keras.optimizers.Adam()),
+        )
+        model.register_all_reduce_hook(keras_dist.compression.FP16())
+    with pytest.raises(ValueError, match="cannot compress that"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_config_round_trip():
+    optimizer = keras_dist.ShardedOptimizer(
+        keras.optimizers.AdamW(0.01, weight_decay=0.2), accumulation_steps=3, name="z"
+    )
+    clone = assert_config_round_trip(optimizer)
+    assert clone.accumulation_steps == 3
+    assert isinstance(clone.inner_optimizer, keras.optimizers.AdamW)
+    with pytest.raises(ValueError, match="Set `clipnorm` on the `inner_optimizer`"):
+        keras_dist.ShardedOptimizer(keras.optimizers.Adam(), clipnorm=1.0)
+
+
+def test_no_strategy_trains_unsharded_alike():
+    reference = unsharded("adamw", batch_size=16)
+    model = sharded(tf.distribute.get_strategy(), "adamw", micro_batch=16)
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
