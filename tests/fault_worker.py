@@ -157,11 +157,11 @@ def die_inside_backup(at):
     write, saves = _backup.write, []
     replace = os.replace
 
-    def write_then_die(backup_dir, values, manifest):
+    def write_then_die(*args, **kwargs):
         saves.append(1)
         if len(saves) == at:
-            _backup.os.replace = replace_then_die
-        return write(backup_dir, values, manifest)
+            os.replace = replace_then_die
+        return write(*args, **kwargs)
 
     def replace_then_die(source, target):
         if os.path.basename(source).startswith(".partial-"):

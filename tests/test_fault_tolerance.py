@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import keras
 import numpy as np
@@ -28,6 +29,8 @@ import tensorflow as tf
 from helpers import REPO_ROOT
 
 import keras_dist
+from keras_dist.backup import files as _files
+from keras_dist.backup import manifest as _manifest
 from keras_dist.backup import store as _backup
 from keras_dist.callbacks import BackupAndRestore
 from keras_dist.compression import FP16, PowerSGD
@@ -290,7 +293,9 @@ def data():
     return x, y
 
 
-def make_model(strategy, hook="fp16", distributed=True, steps_per_execution=1):
+def make_model(
+    strategy, hook="fp16", distributed=True, steps_per_execution=1, accumulation_steps=2
+):
     keras.utils.set_random_seed(1)
     with strategy.scope():
         model = keras.Sequential(
@@ -301,7 +306,7 @@ def make_model(strategy, hook="fp16", distributed=True, steps_per_execution=1):
             ]
         )
         optimizer = keras_dist.GradientAccumulationOptimizer(
-            keras.optimizers.Adam(0.01), accumulation_steps=2
+            keras.optimizers.Adam(0.01), accumulation_steps=accumulation_steps
         )
         if distributed:
             hooks = {"fp16": FP16(), "powersgd": PowerSGD(rank=1, start_step=0)}
@@ -317,8 +322,8 @@ def make_model(strategy, hook="fp16", distributed=True, steps_per_execution=1):
     return model
 
 
-def fit_until(model, backup, inputs, crash_at=None, **kwargs):
-    callbacks = [BackupAndRestore(backup, save_freq=3)]
+def fit_until(model, backup, inputs, crash_at=None, extra=(), **kwargs):
+    callbacks = [BackupAndRestore(backup, save_freq=3), *extra]
     if crash_at:
         callbacks.append(Boom(crash_at))
     try:
@@ -342,6 +347,18 @@ PIPELINES = {
 }
 
 
+@pytest.fixture(params=["disk", "ram"])
+def backup_dir(request, tmp_path):
+    """Where the interrupted run's backups go: a local folder, or `ram://`
+    (TensorFlow's in-memory file system, written like an object store)."""
+    if request.param == "disk":
+        yield str(tmp_path / "b")
+        return
+    root = f"ram://kd-fault-{uuid.uuid4().hex}"
+    yield f"{root}/b"
+    _files.rmtree(root)
+
+
 @pytest.mark.parametrize(
     ("pipeline", "hook", "crash_at", "steps_per_execution"),
     [
@@ -352,7 +369,7 @@ PIPELINES = {
     ],
 )
 def test_resume_is_exact_on_replicas(
-    mirrored, tmp_path, pipeline, hook, crash_at, steps_per_execution
+    mirrored, tmp_path, backup_dir, pipeline, hook, crash_at, steps_per_execution
 ):
     strategy = mirrored(2)
     x, y = data()
@@ -362,14 +379,12 @@ def test_resume_is_exact_on_replicas(
         # dataset object read again reshuffles (its seed generator moved on).
         inputs, kwargs = PIPELINES[pipeline](x, y)
         model = make_model(strategy, hook, steps_per_execution=steps_per_execution)
-        return model, fit_until(
-            model, str(tmp_path / folder), inputs, crash_at, **kwargs
-        )
+        return model, fit_until(model, folder, inputs, crash_at, **kwargs)
 
-    reference, expected = run("r")
-    assert run("b", crash_at)[1] is None
-    assert os.path.exists(tmp_path / "b" / _backup.CURRENT)
-    resumed, history = run("b")
+    reference, expected = run(str(tmp_path / "r"))
+    assert run(backup_dir, crash_at)[1] is None
+    assert _files.exists(_files.join(backup_dir, _backup.CURRENT))
+    resumed, history = run(backup_dir)
     for a, b in zip(resumed.weights, reference.weights, strict=True):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)
     # The logs of the epochs it ran too (the resumed one included: the
@@ -377,7 +392,7 @@ def test_resume_is_exact_on_replicas(
     assert set(history) == set(expected)
     for key, values in history.items():
         assert values == pytest.approx(expected[key][-len(values) :], rel=1e-6)
-    assert not os.path.exists(tmp_path / "b")
+    assert not _files.exists(backup_dir)
 
 
 def test_plain_keras_model_resumes_exactly(mirrored, tmp_path):
@@ -428,18 +443,31 @@ def test_backup_of_another_replica_count_is_an_error(mirrored, tmp_path):
         fit_until(model, str(tmp_path / "b"), PIPELINES["epochs"](x, y)[0])
 
 
-def test_corrupt_newest_backup_falls_back_to_the_previous(mirrored, tmp_path, caplog):
+@pytest.mark.parametrize("corrupt", ["state", "manifest"])
+def test_corrupt_newest_backup_falls_back_to_the_previous(
+    mirrored, tmp_path, caplog, corrupt
+):
     strategy = mirrored(2)
     inputs = crashed_backup(strategy, tmp_path)
     names = _backup.backup_names(str(tmp_path / "b"))
     assert names == ["backup-00000003", "backup-00000002"]
-    state = tmp_path / "b" / names[0] / _backup.STATE_FILE
-    state.write_bytes(state.read_bytes()[:-10] + b"0123456789")
+    newest = tmp_path / "b" / names[0]
+    if corrupt == "state":
+        state = newest / _backup.STATE_FILE
+        state.write_bytes(state.read_bytes()[:-10] + b"0123456789")
+        problem = "backup-00000003/state.npz is corrupt"
+    else:
+        # Issue 31 W2: an edited epoch resumed silently at the wrong place.
+        manifest = newest / _backup.MANIFEST_FILE
+        fields = json.loads(manifest.read_text())
+        assert fields["epoch"] == 1
+        manifest.write_text(json.dumps({**fields, "epoch": 2}))
+        problem = "backup-00000003/manifest.json is corrupt or was edited"
     model = make_model(strategy)
     callback = BackupAndRestore(str(tmp_path / "b"), save_freq=3)
     with caplog.at_level("WARNING"), pytest.raises(KeyboardInterrupt):
         model.fit(inputs, epochs=1, callbacks=[callback, Boom(1)], verbose=0)
-    assert "backup-00000003/state.npz is corrupt" in caplog.text
+    assert problem in caplog.text
     assert "resumed from" in caplog.text and "backup-00000002" in caplog.text
 
 
@@ -487,3 +515,97 @@ def test_resume_is_exact_without_a_strategy(tmp_path):
     fit_until(resumed, str(tmp_path / "b"), inputs)
     for a, b in zip(resumed.weights, reference.weights, strict=True):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)
+
+
+# --- Changed settings on resume (issue 31 B1, W1) -------------------------------
+
+
+class SetAccumulationSteps(keras.callbacks.Callback):
+    """Assigns `accumulation_steps` after the N-th batch of the run."""
+
+    def __init__(self, after, steps):
+        super().__init__()
+        self.after, self.steps, self.seen = after, steps, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.after:
+            self.model.optimizer.accumulation_steps = self.steps
+
+
+def test_a_changed_accumulation_steps_resumes_with_the_new_value_exactly(
+    mirrored, tmp_path, caplog
+):
+    # Issue 31 B1 (was: the backup's 2 silently undid the new 4). The
+    # backup after batch 9 holds 1 pending micro-step of a 2-step cycle;
+    # resumed with 4, that cycle completes after 3 more, as in a run that
+    # assigned `accumulation_steps = 4` after batch 9 without stopping.
+    strategy = mirrored(2)
+    x, y = data()
+    inputs, _ = PIPELINES["epochs"](x, y)
+    reference = make_model(strategy)
+    fit_until(
+        reference, str(tmp_path / "r"), inputs, extra=[SetAccumulationSteps(9, 4)]
+    )
+    fit_until(make_model(strategy), str(tmp_path / "b"), inputs, crash_at=11)
+    _, manifest, _ = _backup.read_latest(str(tmp_path / "b"))
+    assert manifest["accumulation"] == {"configured": 2, "steps": 2, "pending": 1}
+    resumed = make_model(strategy, accumulation_steps=4)
+    with caplog.at_level("WARNING"):
+        fit_until(resumed, str(tmp_path / "b"), inputs)
+    assert resumed.optimizer.accumulation_steps == 4
+    assert reference.optimizer.accumulation_steps == 4
+    assert "accumulation_steps 4 (this run) instead of 2" in caplog.text
+    assert "1 pending micro-step(s) complete an update after 3 more" in caplog.text
+    assert int(resumed.optimizer.iterations.numpy()) == int(
+        reference.optimizer.iterations.numpy()
+    )
+    for a, b in zip(resumed.weights, reference.weights, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)
+
+
+def test_a_changed_accumulation_steps_that_cannot_carry_the_cycle_is_refused(
+    mirrored, tmp_path
+):
+    strategy = mirrored(2)
+    inputs = crashed_backup(strategy, tmp_path)  # after batch 9: 1 pending
+    model = make_model(strategy, accumulation_steps=1)
+    with pytest.raises(
+        ValueError,
+        match=r"accumulation_steps=2 in the middle of an update \(1 micro-steps "
+        r"accumulated\); this run asks for accumulation_steps=1",
+    ):
+        fit_until(model, str(tmp_path / "b"), inputs)
+    # Nothing was trained or deleted: the same backup resumes with 2.
+    assert _backup.read_latest(str(tmp_path / "b"))[1]["epoch"] == 1
+
+
+def test_the_accumulation_rule():
+    rule = _manifest.accumulation_steps_on_resume
+    assert rule(2, 1, 2, "here") == 2
+    assert rule(2, 1, 4, "here") == 4
+    assert rule(4, 0, 1, "here") == 1  # a completed cycle carries to any value
+    assert rule(4, 3, 8, "here") == 8
+    with pytest.raises(ValueError, match=r"accumulation_steps=4 .* asks for .*=3"):
+        rule(4, 3, 3, "here")
+    with pytest.raises(ValueError, match=r"saved state of AutoScaleBatch"):
+        rule(1, 0, 2, "here", trackers=["AutoScaleBatch"])
+    assert rule(4, 3, 4, "here", trackers=["AutoScaleBatch"]) == 4
+
+
+@pytest.mark.parametrize("new_batch_size", [8, 32])
+def test_a_changed_batch_size_is_refused_naming_both(
+    mirrored, tmp_path, new_batch_size
+):
+    # Issue 31 W1 (was: a smaller batch resumed at other examples, silently).
+    strategy = mirrored(2)
+    crashed_backup(strategy, tmp_path)  # batches of 16, after batch 9
+    _, manifest, _ = _backup.read_latest(str(tmp_path / "b"))
+    assert (manifest["batch_size"], manifest["position"]) == (16, 3)
+    x, y = data()
+    inputs = tf.data.Dataset.from_tensor_slices((x, y)).batch(new_batch_size)
+    with pytest.raises(
+        ValueError,
+        match=rf"batches of 16 examples .* gives batches of {new_batch_size}\. ",
+    ):
+        fit_until(make_model(strategy), str(tmp_path / "b"), inputs)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -10,59 +9,20 @@ import threading
 import weakref
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_dist import state
 from keras_dist._compat import keras_src as _compat
 from keras_dist._validation import check_bool, check_int
 from keras_dist._versions import VERSION
+from keras_dist.backup import files, store, transfer
+from keras_dist.backup import lock as lock_lib
 from keras_dist.backup import manifest as manifest_lib
-from keras_dist.backup import store, transfer
+from keras_dist.backup import resume as resume_lib
 from keras_dist.core import collectives, topology
 from keras_dist.launcher.process import EXIT_PREEMPTED
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Resume:
-    """A backup `fit` resumes from: its folder, manifest and values.
-
-    Attributes:
-        path: String. The backup's folder.
-        manifest: Dict. Its manifest.
-        values: List of arrays. Its variable values.
-        restored: Bool. Whether the values were assigned (at the first batch).
-    """
-
-    path: str
-    manifest: dict
-    values: list
-    restored: bool = False
-
-    @property
-    def epoch(self) -> int:
-        """The epoch to resume in."""
-        return self.manifest["epoch"]
-
-    @property
-    def calls(self) -> int:
-        """Calls of the train function already done in that epoch (each runs
-        `steps_per_execution` batches): `fit` calls the callbacks for them
-        again, but the train function only returns the backup's logs."""
-        return self.manifest["calls"]
-
-    @property
-    def position(self) -> int:
-        """Batches the input iterator had handed out when the backup was
-        written; a fresh iterator skips as many."""
-        return self.manifest["position"]
-
-    @property
-    def logs(self) -> dict:
-        """The logs of the last step before the backup."""
-        return self.manifest["logs"]
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -200,7 +160,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         self.save_freq = save_freq
         self.delete_checkpoint = check_bool("delete_checkpoint", delete_checkpoint)
-        self._resume: _Resume | None = None
+        self._resume: resume_lib.Resume | None = None
         self._epoch_iterator = None
         self._strategy = None
         self._epoch = 0
@@ -211,6 +171,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._in_fit = False
         self._train_function = None
         self._pending = None
+        self._owner = None
+        self._configured_steps = None
+        self._batches_in_epoch = 0
 
     # --- fit hooks -------------------------------------------------------------------
 
@@ -229,6 +192,26 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resume = None
         self._train_function = None
         self._pending = None
+        self._batches_in_epoch = 0
+        accumulator = resume_lib.accumulator_of(model)
+        # What this run asks for, before a backup overwrites the variable.
+        self._configured_steps = (
+            None if accumulator is None else int(accumulator.accumulation_steps)
+        )
+        # The writer takes the folder before reading it: a second job stops
+        # here, before it trains or deletes anything.
+        self._owner = lock_lib.acquire(self.backup_dir) if self._is_chief() else None
+        try:
+            self._begin_resume(model)
+        except BaseException:
+            if self._owner is not None:
+                lock_lib.release(self.backup_dir, self._owner)
+                self._owner = None
+            raise
+        self._install_sigterm_handler()
+
+    def _begin_resume(self, model):
+        """Reads the newest backup, if any, and sets `fit` up to resume from it."""
         found = store.read_latest(self.backup_dir)
         if found is not None:
             path, manifest, values = found
@@ -239,7 +222,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                     f"steps_per_execution={model.steps_per_execution}. Compile "
                     "with the same value to resume."
                 )
-            self._resume = _Resume(path=path, manifest=manifest, values=values)
+            self._resume = resume_lib.Resume(
+                path=path, manifest=manifest, values=values
+            )
             _compat.set_initial_epoch(model, self._resume.epoch)
             self._fit.replay_epoch = self._resume.epoch
             self._fit.replay_batches = self._resume.calls * self._spx
@@ -249,10 +234,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         else:
             _compat.set_initial_epoch(model, None)
             self._fit.replay_epoch = None
-        self._install_sigterm_handler()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        self._batches_in_epoch = 0
 
     def on_train_batch_begin(self, batch, logs=None):
         self._flush()
@@ -265,6 +250,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._restore(resume)
 
     def on_train_batch_end(self, batch, logs=None):
+        self._batches_in_epoch = batch + 1
         if self._fit.is_replayed(batch):
             return
         self._batches_since_save += max(1, batch - self._batch_begin + 1)
@@ -296,8 +282,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._flush()
         self._pending = None
         self._end_fit()
-        if self.delete_checkpoint and self._is_chief():
-            store.remove_all(self.backup_dir)
+        owner, self._owner = self._owner, None
+        if owner is None:
+            return
+        if self.delete_checkpoint:
+            store.remove_all(self.backup_dir, owner=owner)
+        else:
+            lock_lib.release(self.backup_dir, owner)
 
     # --- Saving and restoring --------------------------------------------------------
 
@@ -328,6 +319,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "epoch": int(epoch),
             "calls": int(calls),
             "position": int(position),
+            "batch_size": resume_lib.batch_size(self.model, self._batches_in_epoch),
             "logs": _float_logs(logs),
             "preempted": preempted,
         }
@@ -350,7 +342,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._restore_sigterm_handler()
             raise SystemExit(EXIT_PREEMPTED)
 
-    def _save(self, epoch, calls, position, logs):
+    def _save(self, epoch, calls, position, batch_size, logs):
         """Writes a backup (chief) after gathering per-replica state (all)."""
         model = self.model
         inventory = state.training_state(model)
@@ -366,28 +358,33 @@ class BackupAndRestore(keras.callbacks.Callback):
             "calls": int(calls),
             "position": int(position),
             "steps_per_execution": self._spx,
+            "batch_size": batch_size,
+            "accumulation": resume_lib.accumulation_state(
+                model, self._configured_steps
+            ),
             "replicas": replicas,
             "workers": topology.count_workers(self._strategy),
             "logs": logs,
             "callbacks": inventory.provider_states(),
             "variables": manifest_lib.describe(inventory, values),
         }
-        name = store.write(self.backup_dir, values, manifest)
+        name = store.write(self.backup_dir, values, manifest, owner=self._owner)
         logger.info(
             "BackupAndRestore: wrote %s (epoch %d, %d calls into it).",
-            os.path.join(self.backup_dir, name),
+            files.join(self.backup_dir, name),
             epoch,
             calls,
         )
 
-    def _restore(self, resume: _Resume):
+    def _restore(self, resume: resume_lib.Resume):
         model = self.model
         _build_training_state(model)
         inventory = state.training_state(model)
         manifest_lib.check_compatible(
             resume.manifest, inventory, self._strategy, resume.path
         )
-        _check_same_backup_everywhere(self._strategy, resume)
+        resume_lib.check_same_backup_everywhere(self._strategy, resume)
+        steps = self._accumulation_steps_on_resume(resume)
         values = resume.values
         if resume.calls == 0:
             # Resumed at the start of an epoch: `fit` has just reset the
@@ -397,7 +394,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                 for entry, value in zip(inventory, values)
             ]
         transfer.assign_values(inventory, values, self._strategy)
-        _restore_provider_states(
+        if steps is not None:
+            resume_lib.accumulator_of(model).accumulation_steps = steps
+        resume_lib.restore_provider_states(
             inventory.providers, resume.manifest.get("callbacks", {})
         )
         resume.restored = True
@@ -409,9 +408,27 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
         if resume.calls or resume.position:
             self._train_function = model.train_function
-            model.train_function = _replaying_train_function(
+            model.train_function = resume_lib.replaying_train_function(
                 model, model.train_function, resume, self._epoch_iterator, self._spx
             )
+
+    def _accumulation_steps_on_resume(self, resume: resume_lib.Resume):
+        """The new `accumulation_steps` when this run asks for another value
+        than the backup's run did (`None`: the backup's stands)."""
+        saved = resume.manifest.get("accumulation")
+        if saved is None or self._configured_steps is None:
+            return None
+        if saved["configured"] == self._configured_steps:
+            # The same setting: the backup's value stands, also when it was
+            # changed while training (AutoScaleBatch grows it).
+            return None
+        return manifest_lib.accumulation_steps_on_resume(
+            saved["steps"],
+            saved["pending"],
+            self._configured_steps,
+            resume.path,
+            trackers=sorted(resume.manifest.get("callbacks", {})),
+        )
 
     # --- Preemption -------------------------------------------------------------
 
@@ -484,75 +501,3 @@ def _float_logs(logs) -> dict:
         except (TypeError, ValueError):
             continue
     return result
-
-
-def _restore_provider_states(providers: dict, states: dict) -> None:
-    for name, saved in states.items():
-        provider = providers.get(name)
-        if provider is None:
-            raise store.BackupError(
-                f"The backup holds the state of {name}, but this fit has no "
-                f"{name} callback. Pass the same callbacks to resume exactly."
-            )
-        provider.restore_backup_state(saved)
-    for name in providers:
-        if name not in states:
-            raise store.BackupError(
-                f"This fit has a {name} callback, but the backup holds no state "
-                "of one. Pass the same callbacks as the run that wrote it."
-            )
-
-
-def _check_same_backup_everywhere(strategy, resume: _Resume) -> None:
-    """Every worker must resume from the same backup (a shared folder)."""
-    if topology.count_workers(strategy) == 1:
-        return
-    digest = int(resume.manifest["sha256"][:12], 16)
-    mine = np.array([digest, resume.epoch, resume.calls], dtype=np.int64)
-    _, local = topology.worker_layout(strategy)
-    gathered = transfer.gather_per_replica([[mine] * local], strategy)[0]
-    if not (gathered == gathered[0]).all():
-        raise store.BackupError(
-            "The workers found different backups in `backup_dir` (is it on "
-            "storage every worker reads? a folder local to each machine is "
-            f"not). Per replica (sha256 prefix, epoch, calls): {gathered.tolist()}."
-        )
-
-
-def _replaying_train_function(model, train_function, resume, epoch_iterator, spx):
-    """The train function for the resumed epoch's already-trained batches.
-
-    Its first call reads the `resume.position` batches the interrupted run
-    had consumed from the input iterator; its first `resume.calls` calls
-    return the backup's logs without training; the next one trains and puts
-    `train_function` back.
-    """
-    state = {"skip": resume.position, "call": 0}
-
-    def replay(iterator):
-        if state["skip"]:
-            try:
-                for _ in range(state["skip"]):
-                    iterator.get_next()
-            except tf.errors.OutOfRangeError as error:
-                raise store.BackupError(
-                    f"The backup in {resume.path} was written after "
-                    f"{resume.position} batches of the input, but the input "
-                    "ran out before that: resume with the same data and "
-                    "batch size."
-                ) from error
-            state["skip"] = 0
-        call = state["call"]
-        state["call"] += 1
-        # What Keras's epoch iterator counted at this call in the first run,
-        # so that it re-creates its input iterator at the same batch.
-        if epoch_iterator is not None:
-            _compat.set_epoch_iterator_position(
-                epoch_iterator, resume.position + (call + 1 - resume.calls) * spx
-            )
-        if call < resume.calls:
-            return dict(resume.logs)
-        model.train_function = train_function
-        return train_function(iterator)
-
-    return replay

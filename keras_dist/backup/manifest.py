@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from keras_dist.backup.store import BackupError
 from keras_dist.core.topology import count_workers
+
+logger = logging.getLogger(__name__)
 
 
 def describe(inventory, values: list[np.ndarray]) -> list[dict]:
@@ -76,3 +80,78 @@ def check_compatible(manifest: dict, inventory, strategy, where: str) -> None:
                 "all-reduce hook. Resume with the same setup, or point "
                 "`backup_dir` elsewhere to start over."
             )
+
+
+def accumulation_steps_on_resume(
+    saved_steps: int, pending: int, new_steps: int, where: str, trackers=()
+) -> int:
+    """The `accumulation_steps` a resumed run trains with: one rule for all.
+
+    A resume that changes the number of micro-steps per update, because the
+    user built the optimizer with another value or because an elastic
+    resume on another worker count keeps the global batch
+    (`k' = k * N / N'`), goes through this rule:
+
+    - the same value: nothing changes;
+    - another value, and the backup's pending micro-steps are fewer than
+      the new value: the run resumes with the **new** value, exactly. The
+      pending micro-steps stay accumulated and the cycle completes after
+      `new_steps - pending` more, as if the interrupted run had assigned
+      `accumulation_steps = new_steps` at the backup's step (what
+      `GradientAccumulationOptimizer` does when it is assigned while
+      training). One line is logged;
+    - otherwise the pending cycle cannot be carried (it already holds as
+      many micro-steps as an update of the new size, or more: the next
+      update would average over more than `new_steps`), and the resume is
+      refused with both values named.
+
+    Callbacks whose saved state was computed with the backup's value
+    (`AutoScaleBatch` grows `accumulation_steps` itself) cannot follow a
+    change: `trackers` names them, and a change is refused.
+
+    Args:
+        saved_steps: Int. `accumulation_steps` in the backup.
+        pending: Int. Micro-steps the backup's cycle holds, in micro-steps
+            of this run.
+        new_steps: Int. The value this run asks for.
+        where: String. The backup, for messages.
+        trackers: Sequence of strings. Callbacks in the backup that track
+            `accumulation_steps`.
+
+    Returns:
+        The value to train with.
+
+    Raises:
+        BackupError: the change cannot be carried exactly.
+    """
+    if new_steps == saved_steps:
+        return saved_steps
+    if trackers:
+        raise BackupError(
+            f"The backup in {where} was written with accumulation_steps="
+            f"{saved_steps}; this run asks for accumulation_steps={new_steps}, "
+            f"but the saved state of {', '.join(trackers)} was computed with "
+            f"{saved_steps}. Resume with accumulation_steps={saved_steps}, or "
+            "move the backup directory away to start over."
+        )
+    if pending >= new_steps:
+        raise BackupError(
+            f"The backup in {where} was written with accumulation_steps="
+            f"{saved_steps} in the middle of an update ({pending} micro-steps "
+            f"accumulated); this run asks for accumulation_steps={new_steps}, "
+            f"fewer than or as many as those {pending}, so its next update "
+            f"would average over more than {new_steps} micro-steps. Resume "
+            f"with accumulation_steps={saved_steps}, or with at least "
+            f"{pending + 1}, or move the backup directory away to start over."
+        )
+    logger.warning(
+        "BackupAndRestore: accumulation_steps %d (this run) instead of %d (the "
+        "backup in %s); the %d pending micro-step(s) complete an update after "
+        "%d more.",
+        new_steps,
+        saved_steps,
+        where,
+        pending,
+        new_steps - pending,
+    )
+    return new_steps
