@@ -218,7 +218,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     launch_parser.add_argument(
         "--collective-timeout",
-        type=_seconds,
+        type=_collective_timeout,
         default=None,
         metavar="SECONDS",
         help=(
@@ -301,6 +301,17 @@ def _seconds(text: str) -> float:
             f"must be a finite number >= 0. Received: {text!r}."
         )
     return value
+
+
+def _collective_timeout(text: str) -> float:
+    """`--collective-timeout`: the launcher's own check, as a usage error."""
+    try:
+        return cluster_lib.check_collective_timeout(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds > 0. Received: {text!r}. Omit "
+            "it for the default."
+        ) from None
 
 
 def _version_text() -> str:

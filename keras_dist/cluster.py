@@ -40,6 +40,40 @@ TRAINING_TASK_TYPES = ("chief", "worker")
 # connection attempt.
 _PROBE_INTERVAL = 0.25
 _CONNECT_TIMEOUT = 1.0
+# Seconds a collective may wait for a peer: read by `auto_strategy` when its
+# `collective_timeout` is `None`, set by `keras-dist launch` for its tasks.
+COLLECTIVE_TIMEOUT_ENV_VAR = "KERAS_DIST_COLLECTIVE_TIMEOUT"
+
+
+def check_collective_timeout(value, hint: str = "It is in seconds."):
+    """Returns a collective timeout after checking it: seconds, or `None`.
+
+    The one check of `auto_strategy(collective_timeout=...)`,
+    `keras_dist.launcher.launch(collective_timeout=...)` and `keras-dist
+    launch --collective-timeout`: a finite number of seconds > 0. Zero is
+    refused (TensorFlow would fail every collective at once); `None` means
+    "not given here".
+
+    Args:
+        value: What was received.
+        hint: String. How to fix it, appended to the message. Defaults to
+            `"It is in seconds."`.
+
+    Returns:
+        The timeout as a float, or `None`.
+
+    Raises:
+        TypeError: `value` is not a number.
+        ValueError: `value` is not finite or not > 0.
+    """
+    return check_real(
+        "collective_timeout",
+        value,
+        minimum=0,
+        low_open=True,
+        allow_none=True,
+        hint=hint,
+    )
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:

@@ -56,9 +56,7 @@ logger = logging.getLogger(__name__)
 
 TPU_ENV_VARS = ("KERAS_DIST_TPU", "TPU_NAME", "COLAB_TPU_ADDR")
 STARTUP_TIMEOUT_ENV_VAR = "KERAS_DIST_STARTUP_TIMEOUT"
-# Read by `auto_strategy` when `collective_timeout` is `None`; set by
-# `keras-dist launch`.
-COLLECTIVE_TIMEOUT_ENV_VAR = "KERAS_DIST_COLLECTIVE_TIMEOUT"
+COLLECTIVE_TIMEOUT_ENV_VAR = cluster_lib.COLLECTIVE_TIMEOUT_ENV_VAR
 # Seconds a multi-process strategy waits for the other tasks to start.
 DEFAULT_STARTUP_TIMEOUT = 300.0
 # Logical CPU devices `cpu_replicas` may ask for. Every one costs TensorFlow
@@ -439,12 +437,8 @@ def _log_unused_options(choice, cross_device_ops, communication_options):
 def _with_collective_timeout(communication_options, collective_timeout):
     """Folds `collective_timeout` (or its variable) into the options."""
     explicit = collective_timeout is not None
-    collective_timeout = check_real(
-        "collective_timeout",
+    collective_timeout = cluster_lib.check_collective_timeout(
         collective_timeout,
-        minimum=0,
-        low_open=True,
-        allow_none=True,
         hint=f"It is in seconds; `None` reads {COLLECTIVE_TIMEOUT_ENV_VAR}.",
     )
     if collective_timeout is None:

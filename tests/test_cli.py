@@ -180,6 +180,20 @@ def test_module_launcher_stops_its_tasks_on_sigint(tmp_path):
         (["launch", "--workers", "1", "--bogus", "--", "true"], "--bogus"),
         (["launch", "--", "true"], "--workers"),
         (["env", "--", "true"], "takes no command"),
+        # Issue 31 W4: 0 passed the parser (">= 0") and ended in a traceback.
+        (
+            ["launch", "--workers", "1", "--collective-timeout", "0", "--", "true"],
+            "--collective-timeout: must be a finite number of seconds > 0. "
+            "Received: '0'",
+        ),
+        (
+            ["launch", "--workers", "1", "--collective-timeout", "inf", "--", "true"],
+            "finite number of seconds > 0",
+        ),
+        (
+            ["launch", "--workers", "1", "--collective-timeout", "-2", "--", "true"],
+            "Received: '-2'",
+        ),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
@@ -447,3 +461,21 @@ def test_help_names_the_tf_logs_switch(capsys):
         help_text = " ".join(capsys.readouterr().out.split())
         assert "--tf-logs" in help_text
         assert "KERAS_DIST_TF_LOGS=1" in help_text
+
+
+def test_one_collective_timeout_check_for_the_launcher_and_the_strategy():
+    # The CLI, `launch` and `auto_strategy` all call cluster's one check.
+    from keras_dist import cluster, strategy
+    from keras_dist.launcher import supervisor
+
+    assert cluster.check_collective_timeout(2) == 2.0
+    assert cluster.check_collective_timeout(None) is None
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"`collective_timeout` must be .* > 0"):
+            cluster.check_collective_timeout(bad)
+    with pytest.raises(ValueError, match="collective_timeout=0"):
+        supervisor.launch(["true"], workers=1, collective_timeout=0)
+    with pytest.raises(ValueError, match="`None` reads KERAS_DIST_COLLECTIVE_TIMEOUT"):
+        strategy._with_collective_timeout(None, 0)
+    assert supervisor.COLLECTIVE_TIMEOUT_ENV_VAR == cluster.COLLECTIVE_TIMEOUT_ENV_VAR
+    assert strategy.COLLECTIVE_TIMEOUT_ENV_VAR == cluster.COLLECTIVE_TIMEOUT_ENV_VAR

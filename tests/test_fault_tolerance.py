@@ -609,3 +609,28 @@ def test_a_changed_batch_size_is_refused_naming_both(
         match=rf"batches of 16 examples .* gives batches of {new_batch_size}\. ",
     ):
         fit_until(make_model(strategy), str(tmp_path / "b"), inputs)
+
+
+def test_a_full_disk_stops_fit_with_the_room_needed_and_no_partial_left(tmp_path):
+    # Issue 31 W3, on a real 64 KiB tmpfs: the first backup does not fit.
+    from test_backup_store import tmpfs
+
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        folder = os.path.join(disk, "backup")
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4000)])
+        model.compile(optimizer="adam", loss="mse")
+        x = np.zeros((32, 8), "float32")
+        with pytest.raises(OSError) as raised:
+            model.fit(
+                x,
+                np.zeros((32, 4000), "float32"),
+                batch_size=16,
+                callbacks=[BackupAndRestore(folder, save_freq=1)],
+                verbose=0,
+            )
+        assert raised.value.errno == 28
+        assert f"backup_dir={folder!r}" in str(raised.value)
+        assert "room for about 3 of them" in str(raised.value)
+        # No partial backup keeps the disk full for the next attempt.
+        assert os.listdir(folder) == [_backup.lock_lib.LOCK_FILE]

@@ -41,7 +41,7 @@ DEFAULT_GRACE_PERIOD = 5.0
 # (`auto_strategy` reads it from KERAS_DIST_COLLECTIVE_TIMEOUT): generous,
 # since one worker may validate or write a backup while the others wait.
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
-COLLECTIVE_TIMEOUT_ENV_VAR = "KERAS_DIST_COLLECTIVE_TIMEOUT"
+COLLECTIVE_TIMEOUT_ENV_VAR = cluster_lib.COLLECTIVE_TIMEOUT_ENV_VAR
 # Internal subcommand that runs a parameter-server task; hidden from `--help`.
 PS_SERVER_COMMAND = "_ps-server"
 
@@ -172,14 +172,7 @@ def launch(
         "grace_period", grace_period, minimum=0, hint="It is in seconds."
     )
     max_restarts = check_int("max_restarts", max_restarts, minimum=0)
-    collective_timeout = check_real(
-        "collective_timeout",
-        collective_timeout,
-        minimum=0,
-        low_open=True,
-        allow_none=True,
-        hint="It is in seconds.",
-    )
+    collective_timeout = cluster_lib.check_collective_timeout(collective_timeout)
     coordinated = bool(ps and chief)
     if max_restarts and ps and not chief:
         raise ValueError(
