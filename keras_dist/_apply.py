@@ -28,6 +28,7 @@ def optimizer_view(optimizer) -> OptimizerView:
         keras.optimizers.LossScaleOptimizer,
         _current_scale,
         sgd="keras.optimizers.SGD",
+        sgd_types=(keras.optimizers.SGD,),
     )
 
 

@@ -128,6 +128,10 @@ def errors():
     found["dataset_fn"] = error_of(
         lambda: model.fit(lambda context: infinite, verbose=0)
     )
+    for steps in (0, -3):
+        found[f"steps_{steps}"] = error_of(
+            lambda steps=steps: model.fit(infinite, steps_per_epoch=steps, verbose=0)
+        )
     found["class_weight"] = error_of(
         lambda: model.fit(x_train, y_train, class_weight={0: 2.0}, verbose=0)
     )

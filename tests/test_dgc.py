@@ -354,6 +354,65 @@ def test_momentum_is_refused_through_wrappers(mirrored):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
 
 
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda: keras.optimizers.Adagrad(0.1),
+        lambda: keras.optimizers.Adadelta(0.1),
+        lambda: keras.optimizers.RMSprop(0.01),
+        lambda: keras.optimizers.Ftrl(0.1),
+    ],
+    ids=["adagrad", "adadelta", "rmsprop", "ftrl"],
+)
+def test_an_adaptive_optimizer_is_refused(optimizer, mirrored):
+    # Issue 31 W8: Adagrad was accepted without a word.
+    x, y = make_data()
+    model = _dgc_model(mirrored(2), optimizer=optimizer)
+    with pytest.raises(
+        ValueError,
+        match=r"`optimizer` must be plain SGD with `DGC`.*Received: optimizer="
+        r"\w+\. Use `keras.optimizers.SGD\(learning_rate\)`",
+    ):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "attribute, fix",
+    [
+        ("clipnorm", r"`DGC\(clipnorm=0.5\)` clips each replica's gradient"),
+        ("global_clipnorm", r"`DGC\(clipnorm=0.5\)` clips each replica's"),
+        ("clipvalue", r"`DGC` has no element-wise clipping: use `DGC\(clipnorm"),
+    ],
+)
+def test_the_optimizers_own_clipping_is_refused_naming_the_hooks(
+    attribute, fix, mirrored
+):
+    # Issue 31 W9: the optimizer's clipnorm clipped the sparse sum silently.
+    x, y = make_data()
+
+    def optimizer():
+        inner = keras.optimizers.SGD(0.1, **{attribute: 0.5})
+        return keras_dist.GradientAccumulationOptimizer(inner, accumulation_steps=2)
+
+    model = _dgc_model(mirrored(2), optimizer=optimizer)
+    with pytest.raises(
+        ValueError,
+        match=rf"`optimizer` must not clip with `DGC`: its `{attribute}`.*"
+        rf"Received: optimizer=SGD with {attribute}=0.5\. .*{fix}",
+    ):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+
+def test_a_subclass_of_sgd_is_plain_sgd(mirrored):
+    class MySGD(keras.optimizers.SGD):
+        pass
+
+    x, y = make_data()
+    model = _dgc_model(mirrored(2), optimizer=lambda: MySGD(0.1))
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
 def test_loss_scaling_is_divided_out(mirrored):
     """A float32 model under a LossScaleOptimizer trains exactly as without
     it: the hook accumulates unscaled gradients (the scale is a power of 2),

@@ -128,6 +128,9 @@ def test_dataset_fn_input_and_logs_cover_every_worker(trained):
         ("autoscale", r"ValueError: AutoScaleBatch does not work"),
         ("infinite", r"ValueError: `steps_per_epoch` is required for an infinite"),
         ("dataset_fn", r"ValueError: `steps_per_epoch` is required when `x` is a"),
+        # Issue 31 B3 (was: no step run, {'accuracy': [0.0], 'loss': [0.0]}).
+        ("steps_0", r"ValueError: `steps_per_epoch` must be an int >= 1 or None\. "),
+        ("steps_-3", r"ValueError: .*Received: steps_per_epoch=-3 "),
         ("class_weight", r"ValueError: `class_weight` is not supported.*\{0: 2\.0\}"),
         ("train_on_batch", r"RuntimeError: Under ParameterServerStrategy a Dist"),
     ],

@@ -7,6 +7,7 @@ them fails here, loudly.
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from tensorflow.python.distribute import parameter_server_strategy
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
@@ -129,3 +130,17 @@ def test_shards_are_found_and_their_gradients_joined():
     joined = steps._join_shard_gradients(tape.gradient(dense_loss, shards), shards)
     np.testing.assert_allclose(joined, tape.gradient(full_dense, full))
     assert steps._join_shard_gradients([None, None], shards) is None
+
+
+@pytest.mark.parametrize("steps", [0, -3])
+def test_fit_refuses_fewer_than_one_step_per_epoch(steps):
+    # Issue 31 B3: checked before the model or the cluster is touched (the
+    # multi-process refusal is in test_parameter_server.py).
+    from keras_dist.parameter_server import training
+
+    with pytest.raises(
+        ValueError,
+        match=rf"`steps_per_epoch` must be an int >= 1 or None\. Received: "
+        rf"steps_per_epoch={steps} ",
+    ):
+        training.fit(object(), steps_per_epoch=steps)

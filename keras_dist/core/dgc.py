@@ -25,6 +25,8 @@ _WARMUP_FACTOR = 0.25
 # Optimizer attributes that mean "this optimizer keeps a momentum of its own"
 # (SGD and RMSprop `momentum`, the Adam family and Lion `beta_1`, Muon).
 _MOMENTUM_ATTRIBUTES = ("momentum", "beta_1", "adam_beta_1")
+# Optimizer attributes that clip the update it applies (both Keras front ends).
+_CLIPPING_ATTRIBUTES = ("clipnorm", "global_clipnorm", "clipvalue")
 
 
 class DGC(AllReduceHook):
@@ -56,12 +58,26 @@ class DGC(AllReduceHook):
        positions, so a stale velocity does not keep pushing an entry that
        was just applied.
 
-    The optimizer applies the result with plain SGD: **the optimizer must
-    not apply momentum of its own** (`keras.optimizers.SGD(lr)` with
-    `momentum=0`). An optimizer that does (`SGD(momentum=0.9)`, `Adam`,
-    `RMSprop(momentum>0)`, `Lion`, ...) would apply momentum twice; keras_dist
-    raises a `ValueError` when training starts. `DGC(momentum=0.9)` with
-    `SGD(lr)` is the counterpart of `SGD(lr, momentum=0.9)` uncompressed.
+    The optimizer applies the result with plain SGD: **the optimizer must be
+    SGD without momentum and without clipping** (`keras.optimizers.SGD(lr)`,
+    `tf_keras.optimizers.SGD(lr)`); keras_dist raises a `ValueError` naming
+    the fix when training starts otherwise:
+
+    - an optimizer with momentum of its own (`SGD(momentum=0.9)`, `Adam`,
+      `RMSprop(momentum>0)`, `Lion`, ...) would apply momentum twice;
+    - an adaptive optimizer (`Adagrad`, `Adadelta`, `RMSprop`, `Adafactor`,
+      `Ftrl`, ...) would divide each entry by its own history of the
+      hook's sums, which are sparse accumulations: an entry held back for
+      many steps arrives as one large value, and its step would be scaled
+      down by the very size DGC kept for it; the paper's guarantees are for
+      momentum SGD, and nothing here was measured with another optimizer;
+    - the optimizer's `clipnorm`, `global_clipnorm` or `clipvalue` would
+      clip that summed sparse update, cutting entries that masking has
+      already cleared from the hook's state (lost, not delayed): clip with
+      the hook's `clipnorm` instead (below).
+
+    `DGC(momentum=0.9)` with `SGD(lr)` is the counterpart of
+    `SGD(lr, momentum=0.9)` uncompressed.
     With `ratio=1.0` every entry is sent each step and masking clears the
     velocity, so DGC is plain SGD: momentum acts through the entries that
     wait.
@@ -82,8 +98,8 @@ class DGC(AllReduceHook):
     summed gradient (keras_dist scales the loss by `1 / N`). The paper clips
     each share at `N^-1/2` times the threshold meant for the sum: the sum
     of `N` independent shares of norm `clipnorm / sqrt(N)` has norm about
-    `clipnorm`. Keras's own `clipnorm`/`global_clipnorm` on the optimizer
-    still act on the summed, sparse result; leave them unset with DGC.
+    `clipnorm`. Keras's own `clipnorm`/`global_clipnorm`/`clipvalue` on the
+    optimizer would act on the summed, sparse result, and are refused.
 
     **Mixed precision.** Under a `LossScaleOptimizer` the gradients reaching
     the hook are multiplied by the loss scale, which changes during
@@ -270,16 +286,17 @@ class DGC(AllReduceHook):
         """Checks the optimizer that applies this hook's sums.
 
         keras_dist's aggregation path calls it while tracing a step, before
-        `reduce`. It refuses an optimizer that applies momentum of its own
-        and remembers the loss scale, which `reduce` divides out of the
-        gradients.
+        `reduce`. It refuses an optimizer that applies momentum of its own,
+        is not plain SGD, or clips, and remembers the loss scale, which
+        `reduce` divides out of the gradients.
 
         Args:
             view: `keras_dist.core.optimizer_view.OptimizerView` of the optimizer
                 (built by the front end).
 
         Raises:
-            ValueError: the optimizer, or one it wraps, applies momentum.
+            ValueError: the optimizer, or one it wraps, applies momentum or
+                clips, or the optimizer that applies the update is not SGD.
         """
         for nested in view.optimizers:
             for attribute in _MOMENTUM_ATTRIBUTES:
@@ -299,6 +316,47 @@ class DGC(AllReduceHook):
                     f"`{view.sgd}(learning_rate)` (momentum 0) and "
                     f"set the momentum on the hook: "
                     f"`{type(self).__name__}(momentum=...)`."
+                )
+        applying = view.applying
+        if view.sgd_types and not isinstance(applying, view.sgd_types):
+            raise ValueError(
+                f"`optimizer` must be plain SGD with `{type(self).__name__}`: "
+                "the hook's sums are momentum-corrected sparse accumulations, "
+                "meant to be added at a fixed learning rate; an adaptive "
+                "optimizer would scale each entry by its own history of them "
+                "(an entry held back for many steps arrives at once, and its "
+                "step would shrink by the size the hook kept for it). "
+                f"Received: optimizer={type(applying).__name__}. Use "
+                f"`{view.sgd}(learning_rate)` with "
+                f"`{type(self).__name__}(momentum=...)`, or another hook "
+                "(`FP16()`, `PowerSGD(...)`) with an adaptive optimizer."
+            )
+        for nested in view.optimizers:
+            for attribute in _CLIPPING_ATTRIBUTES:
+                value = getattr(nested, attribute, None)
+                if value is None:
+                    continue
+                if attribute == "clipvalue":
+                    fix = (
+                        f"`{type(self).__name__}` has no element-wise "
+                        f"clipping: use `{type(self).__name__}(clipnorm=...)`"
+                    )
+                else:
+                    fix = (
+                        "set the threshold on the hook instead: "
+                        f"`{type(self).__name__}(clipnorm={value!r})` clips "
+                        "each replica's gradient before it is accumulated "
+                        "(the paper's local gradient clipping)"
+                    )
+                raise ValueError(
+                    f"`optimizer` must not clip with `{type(self).__name__}`: "
+                    f"its `{attribute}` would clip the summed sparse update, "
+                    "in which an entry held back for many steps arrives at "
+                    "once, and the part it cut would be lost (masking has "
+                    "already cleared it from the hook's state). Received: "
+                    f"optimizer={type(nested).__name__} with "
+                    f"{attribute}={value!r}. Remove it from the optimizer and "
+                    f"{fix}."
                 )
         self._binding.loss_scale = view.loss_scale
 

@@ -35,14 +35,25 @@ class OptimizerView:
             `None` without loss scaling.
         sgd: String. This front end's plain SGD class, for error messages
             (`"keras.optimizers.SGD"`, `"tf_keras.optimizers.SGD"`).
+        sgd_types: Tuple of classes. This front end's SGD classes: a hook
+            whose sums must be applied by plain SGD (`DGC`) checks the
+            innermost optimizer against them. Empty: not checked.
     """
 
     optimizers: tuple
     loss_scale: Callable | None = None
     sgd: str = "keras.optimizers.SGD"
+    sgd_types: tuple = ()
+
+    @property
+    def applying(self):
+        """The optimizer that applies the update: the innermost one."""
+        return self.optimizers[-1]
 
 
-def view_of(optimizer, loss_scaler_type, read_scale, sgd) -> OptimizerView:
+def view_of(
+    optimizer, loss_scaler_type, read_scale, sgd, sgd_types=()
+) -> OptimizerView:
     """The `OptimizerView` of `optimizer`, for a front end's classes.
 
     Args:
@@ -51,8 +62,15 @@ def view_of(optimizer, loss_scaler_type, read_scale, sgd) -> OptimizerView:
         read_scale: Callable `read_scale(loss_scaler)` returning its current
             scale as a float32 tensor.
         sgd: String. The front end's plain SGD class, for messages.
+        sgd_types: Tuple of classes. The front end's SGD classes. Defaults
+            to `()`.
     """
     optimizers = tuple(nested_optimizers(optimizer))
     scaler = next((o for o in optimizers if isinstance(o, loss_scaler_type)), None)
     loss_scale = None if scaler is None else (lambda: read_scale(scaler))
-    return OptimizerView(optimizers=optimizers, loss_scale=loss_scale, sgd=sgd)
+    return OptimizerView(
+        optimizers=optimizers,
+        loss_scale=loss_scale,
+        sgd=sgd,
+        sgd_types=tuple(sgd_types),
+    )

@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist._compat import keras_src as _compat
+from keras_dist._validation import check_int
 from keras_dist.core.plain import NoCompression
 from keras_dist.optimizers import find_accumulator
 
@@ -422,6 +423,15 @@ def fit(
     validation_freq=1,
 ):
     """`DistributedModel.fit` under `ParameterServerStrategy`; returns History."""
+    # 0 or less would "train" no step and return zero logs.
+    steps_per_epoch = check_int(
+        "steps_per_epoch",
+        steps_per_epoch,
+        minimum=1,
+        allow_none=True,
+        hint="It counts the steps of one epoch over all workers; `None` takes "
+        "the size of the data.",
+    )
     strategy = model.distribute_strategy
     check_model(model, callbacks)
     if class_weight is not None:
