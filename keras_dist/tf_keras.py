@@ -170,8 +170,14 @@ def DistributedOptimizer(  # a factory, named like the class it returns
             `keras_dist.DistributedModel`), or `all_reduce_hook` is not an
             `AllReduceHook` instance.
         ValueError: `accumulation_steps` < 1, or > 1 with a legacy
-            optimizer, `optimizer` has already been used or compiled into a
-            model, or `non_finite_gradients` is not one of the three.
+            optimizer, `optimizer` has already been used, or
+            `non_finite_gradients` is not one of the three.
+
+    Wrapping before or after `model.compile(optimizer=optimizer)` is the
+    same: the instance the model holds is the one made distributed. Passed
+    to a Keras 3 model instead, it is refused by Keras ("Could not interpret
+    optimizer identifier"), and the message then says that tf_keras and
+    Keras 3 were mixed and what to use.
     """
     if not isinstance(optimizer, _OPTIMIZER_TYPES):
         hint = ""
@@ -264,6 +270,20 @@ class _DistributedMixin:
     trains as the plain optimizer would: a plain sum, no accumulation, a
     non-finite update applied.
     """
+
+    def __str__(self) -> str:
+        # Keras 3's `compile` puts it in its refusal ("Could not interpret
+        # optimizer identifier: ..."): say what was mixed up.
+        name = type(self).__name__
+        return (
+            f"<tf_keras.optimizers.{name} made distributed by "
+            "keras_dist.tf_keras.DistributedOptimizer. It is a tf_keras (Keras "
+            "2) optimizer: it trains tf_keras models. tf_keras and Keras 3 were "
+            "mixed: a Keras 3 model takes a Keras 3 optimizer, "
+            f"keras.optimizers.{name}(...), wrapped for accumulation in "
+            "keras_dist.GradientAccumulationOptimizer, with the hook on "
+            "keras_dist.DistributedModel(..., all_reduce_hook=...)>"
+        )
 
     @property
     def _settings(self) -> _Settings:
@@ -420,6 +440,7 @@ def _optimizer_view(optimizer) -> OptimizerView:
         tf_keras.mixed_precision.LossScaleOptimizer,
         lambda scaler: tf.cast(scaler.loss_scale, tf.float32),
         sgd="tf_keras.optimizers.SGD",
+        sgd_types=(tf_keras.optimizers.SGD, tf_keras.optimizers.legacy.SGD),
     )
 
 

@@ -382,3 +382,98 @@ def test_a_non_finite_update_is_skipped_by_default(mirrored):
     model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     assert all(np.isfinite(w).all() for w in model.get_weights())
     assert int(model.optimizer.iterations.numpy()) == len(x) // 32 - 1
+
+
+# --- Misuse (issue 31 W5-W8) ------------------------------------------------------
+
+
+def test_wrapping_after_compile_is_the_same_as_before(mirrored):
+    # W5: the model holds the instance, and the instance is what is wrapped:
+    # accumulation counts updates (2 for 4 micro-batches), the hook is built.
+    x, y = tkw.data()
+
+    def fit(wrap_after_compile):
+        with mirrored(2).scope():
+            optimizer = tf_keras.optimizers.Adam(0.01)
+            hook = keras_dist.compression.FP16()
+            if not wrap_after_compile:
+                optimizer = DistributedOptimizer(
+                    optimizer, all_reduce_hook=hook, accumulation_steps=2
+                )
+            model = tkw.mlp(optimizer)
+            if wrap_after_compile:
+                DistributedOptimizer(
+                    optimizer, all_reduce_hook=hook, accumulation_steps=2
+                )
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model, hook
+
+    after, hook = fit(wrap_after_compile=True)
+    before, _ = fit(wrap_after_compile=False)
+    assert int(after.optimizer.iterations.numpy()) == 2
+    assert int(after.optimizer.micro_steps.numpy()) == 4
+    assert hook.built and hook.stats().ratio == pytest.approx(2.0)
+    assert max_abs_diff(before.get_weights(), after.get_weights()) == 0
+
+
+def test_a_tf_keras_optimizer_in_a_keras_3_model_says_what_was_mixed():
+    # W6: Keras's own refusal, now with what to use instead.
+    import keras
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    optimizer = DistributedOptimizer(tf_keras.optimizers.SGD(0.1))
+    with pytest.raises(
+        ValueError,
+        match=r"Could not interpret optimizer identifier: <tf_keras.optimizers.SGD "
+        r"made distributed by keras_dist.tf_keras.DistributedOptimizer\. .*"
+        r"tf_keras and Keras 3 were mixed: a Keras 3 model takes a Keras 3 "
+        r"optimizer, keras.optimizers.SGD\(...\), wrapped for accumulation in "
+        r"keras_dist.GradientAccumulationOptimizer",
+    ):
+        model.compile(optimizer=optimizer, loss="mse")
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        # W7: the refusal names this front end's SGD, not Keras 3's.
+        (
+            lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9),
+            r"must not apply momentum.*Use `tf_keras.optimizers.SGD\(learning_rate\)`",
+        ),
+        # W8, W9 through the tf_keras front end.
+        (
+            lambda: tf_keras.optimizers.Adagrad(0.1),
+            r"must be plain SGD.*Received: optimizer=Adagrad\. Use "
+            r"`tf_keras.optimizers.SGD\(learning_rate\)`",
+        ),
+        (
+            lambda: tf_keras.optimizers.SGD(0.1, clipnorm=1.0),
+            r"must not clip with `DGC`: its `clipnorm`.*`DGC\(clipnorm=1.0\)`",
+        ),
+    ],
+    ids=["momentum", "adagrad", "clipnorm"],
+)
+def test_dgc_refusals_name_the_tf_keras_classes(mirrored, make, message):
+    with mirrored(2).scope():
+        model = tkw.mlp(
+            DistributedOptimizer(
+                make(), all_reduce_hook=keras_dist.compression.DGC(0.1, warmup_steps=0)
+            )
+        )
+    x, y = tkw.data()
+    with pytest.raises(ValueError, match=message):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_dgc_trains_with_tf_keras_sgd(mirrored):
+    with mirrored(2).scope():
+        model = tkw.mlp(
+            DistributedOptimizer(
+                tf_keras.optimizers.SGD(0.1),
+                all_reduce_hook=keras_dist.compression.DGC(0.5, warmup_steps=0),
+            )
+        )
+    x, y = tkw.data()
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
