@@ -634,3 +634,45 @@ def test_a_full_disk_stops_fit_with_the_room_needed_and_no_partial_left(tmp_path
         assert "room for about 3 of them" in str(raised.value)
         # No partial backup keeps the disk full for the next attempt.
         assert os.listdir(folder) == [_backup.lock_lib.LOCK_FILE]
+
+
+def test_another_steps_per_execution_is_refused(mirrored, tmp_path):
+    strategy = mirrored(2)
+    inputs = crashed_backup(strategy, tmp_path)
+    model = make_model(strategy, steps_per_execution=2)
+    with pytest.raises(
+        ValueError, match=r"steps_per_execution=1; this model has steps_per_execution=2"
+    ):
+        fit_until(model, str(tmp_path / "b"), inputs)
+
+
+def test_a_callback_with_backup_state_added_on_resume_is_refused(mirrored, tmp_path):
+    strategy = mirrored(2)
+    inputs = crashed_backup(strategy, tmp_path)
+    autoscale = keras_dist.callbacks.AutoScaleBatch(8)
+    with pytest.raises(
+        ValueError, match=r"has a AutoScaleBatch callback, but the backup holds no"
+    ):
+        fit_until(make_model(strategy), str(tmp_path / "b"), inputs, extra=[autoscale])
+
+
+def test_a_batch_size_changed_at_an_epoch_boundary_resumes(mirrored, tmp_path):
+    # A backup written at the end of an epoch skips nothing: the next epoch
+    # starts from its first example, at the new batch size.
+    strategy = mirrored(2)
+    x, y = data()
+
+    def fit(batch_size, crash_at=None):
+        callbacks = [BackupAndRestore(str(tmp_path / "b"))]  # save_freq="epoch"
+        if crash_at:
+            callbacks.append(Boom(crash_at))
+        model = make_model(strategy)
+        inputs = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+        return model, model.fit(inputs, epochs=2, callbacks=callbacks, verbose=0)
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(16, crash_at=8)  # in epoch 1, after the backup of epoch 0
+    model, history = fit(8)
+    assert len(history.history["loss"]) == 1  # epoch 1 only
+    # Epoch 0: 6 micro-steps of 16 (3 updates); epoch 1: 12 of 8 (6 updates).
+    assert int(model.optimizer.iterations.numpy()) == 3 + 6

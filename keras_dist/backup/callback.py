@@ -49,16 +49,26 @@ class BackupAndRestore(keras.callbacks.Callback):
     Under several workers only the chief (worker 0 when there is no chief)
     writes `backup_dir`; the other workers write nothing. Every worker reads
     the backup when `fit` starts, so `backup_dir` must be on storage that
-    every worker can read (a shared file system, a volume mounted on every
-    pod). The workers check that they all found the same backup.
+    every worker can read: an object store (`gs://bucket/run1`, any URL
+    TensorFlow's `tf.io.gfile` knows), a shared file system, a volume
+    mounted on every pod. The workers check that they all found the same
+    backup. The chief takes `backup_dir` for its job when `fit` starts (a
+    `LOCK` file naming it): a second job on the same folder stops with
+    `BackupInUseError` instead of deleting the first one's backups.
 
     A backup is written beside the previous one and becomes current only
-    when complete (an atomic rename), so a process killed during a save
-    leaves the previous backup usable; an unreadable newest backup falls
-    back to the previous one with a warning. A backup written by another
-    model, optimizer or hook, or by another number of workers or replicas,
-    is a `ValueError`; so is a directory that holds backups of which none is
-    usable: `fit` never starts over silently.
+    when complete (on a local disk an atomic rename; on an object store the
+    backup under its own prefix, then the pointer to it), and is trusted
+    only when its checksums match, so a process killed during a save leaves
+    the previous backup usable; an unusable newest backup falls back to the
+    previous one with a warning. A backup this run cannot continue exactly
+    (another model, optimizer or hook, another number of workers or
+    replicas, another `steps_per_execution`, another batch size in the
+    middle of an epoch, an `accumulation_steps` that cannot carry the
+    pending cycle) is a `ValueError` saying which; so is a directory that
+    holds backups of which none is usable: `fit` never starts over
+    silently. A changed `accumulation_steps` that can carry the cycle is
+    used, with one warning line (`manifest.accumulation_steps_on_resume`).
 
     Preemption: `SIGTERM` to any worker while `fit` runs makes every worker
     write a backup at the next step boundary (the workers agree on it with a
@@ -96,8 +106,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     `on_train_batch_end`, with the logs of the backup.
 
     Args:
-        backup_dir: String or path. Where the backups are written. The
-            folder is created if needed.
+        backup_dir: String or path. Where the backups are written: a local
+            folder, or a URL such as `"gs://bucket/run1"`. The folder is
+            created if needed.
         save_freq: `"epoch"` or int >= 1. `"epoch"` writes a backup at the
             end of every epoch; an int, after every that many batches.
             Defaults to `"epoch"`.
@@ -108,7 +119,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         TypeError: `backup_dir` is not a string or path, `save_freq` not an
             int, or `delete_checkpoint` not a bool.
         ValueError: `backup_dir` is empty, or `save_freq` is neither
-            `"epoch"` nor >= 1.
+            `"epoch"` nor >= 1. In `fit`: a backup this run cannot continue
+            exactly (see above).
+        keras_dist.backup.lock.BackupInUseError: In `fit`: another job's
+            process holds `backup_dir`.
+        OSError: In `fit`: a save failed (nothing of it is left behind; a
+            full disk names `backup_dir` and the room a backup needs).
 
     Example:
 
