@@ -8,25 +8,14 @@ import tensorflow as tf
 from keras_dist import _apply, _registration  # noqa: F401 (registers the hooks)
 from keras_dist._compat import keras_src as _compat
 from keras_dist._validation import check_int
+from keras_dist._wrapper import InnerOptimizerWrapper, check_base_kwargs
 from keras_dist.core import accumulation, aggregation
 from keras_dist.core.optimizer_view import nested_optimizers
 from keras_dist.core.plain import NoCompression
 
-_REFUSED_BASE_KWARGS = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
-
 
 @keras.saving.register_keras_serializable(package="keras_dist")
-class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
+class GradientAccumulationOptimizer(InnerOptimizerWrapper):
     """Accumulates gradients over micro-batches, then applies them once.
 
     Use it when the batch you want does not fit in memory: `k` micro-steps of
@@ -126,21 +115,7 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         name=None,
         **kwargs,
     ):
-        for arg_name, default in _REFUSED_BASE_KWARGS.items():
-            if arg_name not in kwargs:
-                continue
-            value = kwargs.pop(arg_name)
-            if value != default:
-                raise ValueError(
-                    f"GradientAccumulationOptimizer does not support `{arg_name}`. "
-                    f"Received: {arg_name}={value!r}. Set `{arg_name}` on the "
-                    "`inner_optimizer` instead."
-                )
-        if kwargs:
-            raise ValueError(
-                "GradientAccumulationOptimizer does not support arguments: "
-                f"{', '.join(f'`{k}`' for k in kwargs)}. Received: {kwargs!r}."
-            )
+        check_base_kwargs("GradientAccumulationOptimizer", kwargs)
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(
                 "`inner_optimizer` must be a `keras.optimizers.Optimizer` "
@@ -235,10 +210,6 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         )
         super().build(var_list)
 
-    @property
-    def variables(self):
-        return _compat.optimizer_own_variables(self) + self.inner_optimizer.variables
-
     def set_weights(self, weights):
         """Sets every variable of `variables`: this wrapper's and the inner
         optimizer's, in that order (Keras's base method sets only the
@@ -266,19 +237,6 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
                     f"weight shape {tuple(weight.shape)}."
                 )
             variable.assign(weight)
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
-    @property
-    def iterations(self):
-        """Number of updates applied (the inner optimizer's iterations)."""
-        return self.inner_optimizer.iterations
 
     @property
     def micro_steps(self):
@@ -327,50 +285,6 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
         """Discards the gradients accumulated since the last update."""
         self._check_built("reset_accumulation")
         self._cycle.reset()
-
-    @property
-    def loss_scale_factor(self):
-        """The inner optimizer's `loss_scale_factor` (it unscales the update)."""
-        inner = getattr(self, "inner_optimizer", None)
-        return None if inner is None else inner.loss_scale_factor
-
-    @loss_scale_factor.setter
-    def loss_scale_factor(self, value):
-        # Forwarded, not stored: the inner optimizer's `apply` divides the
-        # update by its own factor, so a wrapper that sets the factor (a
-        # `LossScaleOptimizer` clears it, a `MultiOptimizer` overrides it)
-        # must reach the inner one, or the gradient is unscaled twice. The
-        # base constructor sets `None` before `inner_optimizer` exists.
-        inner = getattr(self, "inner_optimizer", None)
-        if inner is not None:
-            inner.loss_scale_factor = value
-        elif value is not None:
-            raise ValueError(
-                "GradientAccumulationOptimizer does not support "
-                f"`loss_scale_factor`. Received: loss_scale_factor={value!r}. "
-                "Set `loss_scale_factor` on the `inner_optimizer` instead."
-            )
-
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Excludes variables from the inner optimizer's weight decay.
-
-        Forwarded to `inner_optimizer`, which applies the decay; see
-        `keras.optimizers.Optimizer.exclude_from_weight_decay`.
-
-        Args:
-            var_list: List of variables to exclude, or `None`.
-            var_names: List of strings: a variable whose name contains any
-                of them is excluded. Or `None`.
-        """
-        self.inner_optimizer.exclude_from_weight_decay(
-            var_list=var_list, var_names=var_names
-        )
-
-    def scale_loss(self, loss):
-        return self.inner_optimizer.scale_loss(loss)
-
-    def finalize_variable_values(self, var_list):
-        self.inner_optimizer.finalize_variable_values(var_list)
 
     def _check_built(self, what):
         if not self.built:
@@ -430,6 +344,10 @@ class GradientAccumulationOptimizer(keras.optimizers.Optimizer):
                 Defaults to `True`.
         """
         trainable_variables = list(trainable_variables)
+        grads = list(grads)
+        if not grads:
+            # As Keras's `apply`: nothing to apply.
+            return
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)

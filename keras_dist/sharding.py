@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras_dist import _apply, _registration  # noqa: F401 (registers the hooks)
 from keras_dist._compat import keras_src as _compat
 from keras_dist._validation import check_int
+from keras_dist._wrapper import InnerOptimizerWrapper, check_base_kwargs
 from keras_dist.core import accumulation, aggregation, collectives, sharding, topology
 from keras_dist.core.optimizer_view import nested_optimizers
 from keras_dist.core.plain import NoCompression
@@ -28,21 +29,9 @@ ELEMENTWISE = (
     keras.optimizers.Lion,
 )
 
-_REFUSED_BASE_KWARGS = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
-
 
 @keras.saving.register_keras_serializable(package="keras_dist")
-class ShardedOptimizer(keras.optimizers.Optimizer):
+class ShardedOptimizer(InnerOptimizerWrapper):
     """Shards the optimizer state over the replicas: ZeRO stages 1 and 2.
 
     Adam keeps two slots per weight, so every replica of a model of `P`
@@ -117,17 +106,7 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
     """
 
     def __init__(self, inner_optimizer, accumulation_steps=1, name=None, **kwargs):
-        for arg_name, default in _REFUSED_BASE_KWARGS.items():
-            if arg_name in kwargs and kwargs.pop(arg_name) != default:
-                raise ValueError(
-                    f"ShardedOptimizer does not support `{arg_name}`. Set "
-                    f"`{arg_name}` on the `inner_optimizer` instead."
-                )
-        if kwargs:
-            raise ValueError(
-                "ShardedOptimizer does not support arguments: "
-                f"{', '.join(f'`{k}`' for k in kwargs)}. Received: {kwargs!r}."
-            )
+        check_base_kwargs("ShardedOptimizer", kwargs)
         _check_inner(inner_optimizer)
         steps = check_int(
             "accumulation_steps",
@@ -158,48 +137,9 @@ class ShardedOptimizer(keras.optimizers.Optimizer):
         return None
 
     @property
-    def variables(self):
-        return _compat.optimizer_own_variables(self) + self.inner_optimizer.variables
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
-    @property
-    def iterations(self):
-        """Number of updates applied (the inner optimizer's iterations)."""
-        return self.inner_optimizer.iterations
-
-    @property
-    def loss_scale_factor(self):
-        """The inner optimizer's `loss_scale_factor`."""
-        inner = getattr(self, "inner_optimizer", None)
-        return None if inner is None else inner.loss_scale_factor
-
-    @loss_scale_factor.setter
-    def loss_scale_factor(self, value):
-        inner = getattr(self, "inner_optimizer", None)
-        if inner is not None:
-            inner.loss_scale_factor = value
-
-    @property
     def accumulation_steps(self) -> int:
         """Micro-steps per update (stage 2 when > 1)."""
         return self._accumulation_steps
-
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Excludes variables from the inner optimizer's weight decay."""
-        self._base.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
-
-    def scale_loss(self, loss):
-        return self.inner_optimizer.scale_loss(loss)
-
-    def finalize_variable_values(self, var_list):
-        self.inner_optimizer.finalize_variable_values(var_list)
 
     # --- State ----------------------------------------------------------------
 

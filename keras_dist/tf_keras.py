@@ -205,6 +205,17 @@ def DistributedOptimizer(  # a factory, named like the class it returns
         "accumulation_steps", accumulation_steps, minimum=1, maximum=10**9
     )
     aggregation.check_non_finite_gradients(non_finite_gradients)
+    if (
+        accumulation_steps > 1
+        and not tf.compat.v1.executing_eagerly_outside_functions()
+    ):
+        # Its micro-step adds to the accumulators and decides in separate
+        # ops; a TF1 session runs only what `apply_gradients` returns.
+        raise ValueError(
+            "`accumulation_steps` > 1 needs TensorFlow 2 execution (eager or "
+            "tf.function), not a TF1 graph. Received: accumulation_steps="
+            f"{accumulation_steps} inside a `tf.Graph`."
+        )
     if accumulation_steps > 1 and isinstance(
         optimizer, tf_keras.optimizers.legacy.Optimizer
     ):
@@ -218,10 +229,11 @@ def DistributedOptimizer(  # a factory, named like the class it returns
             f"`tf_keras.optimizers.{type(optimizer).__name__}`."
         )
     used = _built(optimizer)
-    if not used and tf.executing_eagerly():
+    iterations = tf_keras_src.created_iterations(optimizer)
+    if not used and iterations is not None and tf.executing_eagerly():
         # In a TF1 graph the counter cannot be read; an unbuilt optimizer
         # has applied nothing.
-        used = int(optimizer.iterations.numpy()) != 0
+        used = int(iterations.numpy()) != 0
     if used:
         raise ValueError(
             "`optimizer` has already been used (it has state that wrapping "
@@ -308,6 +320,13 @@ class _DistributedMixin:
 
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
         """Accumulates, sums through the hook, then applies once (see the class)."""
+        grads_and_vars = tuple(grads_and_vars)
+        if not grads_and_vars:
+            # As tf_keras: nothing to apply.
+            return self.iterations
+        if not all(isinstance(v, tf.Variable) for _, v in grads_and_vars):
+            # Not variables (a tensor): tf_keras's own error says so.
+            return super().apply_gradients(grads_and_vars, name=name, **kwargs)
         grads, variables = _filter_empty_gradients(grads_and_vars)
         if tf.distribute.in_cross_replica_context():
             raise RuntimeError(
@@ -318,37 +337,64 @@ class _DistributedMixin:
         self._keras_dist_build(variables)
         apply = functools.partial(self._keras_dist_apply, name=name)
         cycle = self._settings.cycle
-        if cycle is None:
-            apply(grads, variables)
-        else:
+        if cycle is not None:
             cycle.accumulate(grads, variables, apply)
-        return self.iterations
+            return self.iterations
+        result = apply(grads, variables)
+        if tf.executing_eagerly() or result is None:
+            return self.iterations
+        # In a TF1 graph the caller runs what this returns: the update, or
+        # the decision whose branches update.
+        return result if isinstance(result, tf.Operation) else tf.group(result)
 
     def _keras_dist_apply(self, grads, variables, name=None):
         view = _optimizer_view(self)
-        _, trainable, reduced = aggregation.reduce_gradients(
-            grads, variables, self.all_reduce_hook, view=view
-        )
+        aggregator = tf_keras_src.custom_gradient_aggregator(self)
+        if aggregator is not None:
+            # The legacy optimizers' `gradient_aggregator` is tf_keras's
+            # way of choosing how gradients are summed: it replaces the hook.
+            if type(self.all_reduce_hook) is not NoCompression:
+                raise ValueError(
+                    "Pass either an all-reduce hook or the optimizer's own "
+                    "`gradient_aggregator`, not both: each sums the gradients. "
+                    f"Received: all_reduce_hook={self.all_reduce_hook!r} and "
+                    f"gradient_aggregator={aggregator!r}."
+                )
+            pairs = aggregator(list(zip(grads, variables)))
+            reduced = [g for g, _ in pairs]
+            trainable = [v for _, v in pairs]
+        else:
+            _, trainable, reduced = aggregation.reduce_gradients(
+                grads, variables, self.all_reduce_hook, view=view
+            )
 
         def apply(reduced):
             if isinstance(self, tf_keras.optimizers.legacy.Optimizer):
-                super(_DistributedMixin, self).apply_gradients(
+                return super(_DistributedMixin, self).apply_gradients(
                     zip(reduced, trainable),
                     name=name,
                     experimental_aggregate_gradients=False,
                 )
-            else:
-                super(_DistributedMixin, self).apply_gradients(
-                    zip(reduced, trainable),
-                    name=name,
-                    skip_gradients_aggregation=True,
-                )
+            return super(_DistributedMixin, self).apply_gradients(
+                zip(reduced, trainable),
+                name=name,
+                skip_gradients_aggregation=True,
+            )
 
-        aggregation.apply_reduced(
+        non_finite = self._settings.non_finite
+        if (
+            non_finite == "skip"
+            and not tf.compat.v1.executing_eagerly_outside_functions()
+        ):
+            # A TF1 session runs only the ops it is asked for, and the ops of
+            # a conditional branch are not among them: the update is applied
+            # as tf_keras applies it.
+            non_finite = "apply"
+        return aggregation.apply_reduced(
             reduced,
             apply,
-            self._settings.non_finite,
-            self.iterations,
+            non_finite,
+            lambda: self.iterations,
             loss_scaled=view.loss_scale is not None,
             how_to_raise="DistributedOptimizer(..., non_finite_gradients='raise')",
         )

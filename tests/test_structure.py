@@ -43,6 +43,7 @@ LAYERS = [
             "keras_dist._registration",
             "keras_dist.compression",
             "keras_dist._apply",
+            "keras_dist._wrapper",
             "keras_dist.optimizers",
             "keras_dist.sharding",
             "keras_dist.schedules",

@@ -205,15 +205,23 @@ def check_non_finite_gradients(value, argument="non_finite_gradients") -> str:
 
 
 def all_finite(gradients):
-    """A boolean scalar: every entry of every gradient is finite."""
-    return tf.reduce_all(
-        [
-            tf.reduce_all(
-                tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g)
-            )
-            for g in gradients
-        ]
-    )
+    """A boolean scalar: every entry of every gradient is finite.
+
+    One pair of shared constants for all the gradients: one per gradient
+    would be duplicate ops in the graph (tf_keras's optimizer tests count
+    them: `test_duplicate_ops_*`).
+    """
+    flat_shape = tf.constant([-1])
+    first_axis = tf.constant(0)
+    checks = []
+    for gradient in gradients:
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = gradient.values
+        if gradient.dtype.is_complex:
+            gradient = tf.math.abs(gradient)
+        finite = tf.math.is_finite(tf.reshape(gradient, flat_shape))
+        checks.append(tf.reduce_all(finite, axis=first_axis))
+    return tf.reduce_all(tf.stack(checks), axis=first_axis)
 
 
 def apply_if_finite(reduced, apply, on_skip=None, finite=None):
@@ -270,30 +278,39 @@ def apply_reduced(
         reduced: List of the all-reduced gradients.
         apply: Callable `apply(reduced)`: the front end's optimizer update.
         non_finite: String, one of `NON_FINITE_GRADIENTS`.
-        iterations: The optimizer's update counter (named in messages).
+        iterations: The optimizer's update counter (named in messages), or
+            a callable returning it: read only when a message needs it (a
+            legacy tf_keras optimizer creates it on first access, and
+            should within its own name scope).
         loss_scaled: Bool. A loss-scaling optimizer decides itself: apply.
         how_to_raise: String or `None`. How this front end asks for
             `"raise"`, for the warning of a skipped update; `None` skips
             without a warning (XLA compiles no Python callback).
         finite: Boolean scalar or `None`: see `apply_if_finite`.
+
+    Returns:
+        What `apply` returned, or (`"skip"`) whether it ran.
     """
     if loss_scaled or non_finite == "apply":
-        apply(reduced)
-    elif non_finite == "raise":
+        return apply(reduced)
+    if non_finite == "raise":
         # The assert runs before any update (tf.function also orders
         # stateful ops in program order), so a failing step leaves the
         # weights as they were.
-        check = assert_finite(reduced, iterations, finite=finite)
+        check = assert_finite(reduced, _counter(iterations), finite=finite)
         with tf.control_dependencies([check]):
-            apply(reduced)
-    else:
-        on_skip = None
-        if how_to_raise is not None:
+            return apply(reduced)
+    on_skip = None
+    if how_to_raise is not None:
 
-            def on_skip():
-                _warn_skipped(iterations, how_to_raise)
+        def on_skip():
+            _warn_skipped(_counter(iterations), how_to_raise)
 
-        apply_if_finite(reduced, apply, on_skip=on_skip, finite=finite)
+    return apply_if_finite(reduced, apply, on_skip=on_skip, finite=finite)
+
+
+def _counter(iterations):
+    return iterations() if callable(iterations) else iterations
 
 
 def _warn_skipped(iterations, how_to_raise) -> None:

@@ -301,7 +301,7 @@ class AllReduceHook(tf.Module):
         for index, variable in enumerate(variables):
             dtype = tf.as_dtype(variable.dtype)
             name = _variable_name(variable)
-            if dtype not in SUPPORTED_DTYPES:
+            if dtype not in SUPPORTED_DTYPES and _several_replicas():
                 raise ValueError(
                     f"`variables` must have one of the dtypes "
                     f"{[d.name for d in SUPPORTED_DTYPES]}, which the "
@@ -658,7 +658,7 @@ def _check_gradient(position, gradient, spec, rows=False) -> None:
     With `rows`, `gradient` holds rows of the variable (the values of a
     `tf.IndexedSlices`): its shape after the first axis must match.
     """
-    if gradient.dtype not in SUPPORTED_DTYPES:
+    if gradient.dtype not in SUPPORTED_DTYPES and _several_replicas():
         raise ValueError(
             "`gradients` must have one of the dtypes "
             f"{[d.name for d in SUPPORTED_DTYPES]}. Received: "
@@ -694,6 +694,15 @@ def zero_if_not_finite(tensor):
         lambda: tensor,
         lambda: tf.zeros_like(tensor),
     )
+
+
+def _several_replicas() -> bool:
+    # With one replica nothing is summed over a wire: any dtype passes (as
+    # through the optimizer alone), complex variables included.
+    context = tf.distribute.get_replica_context()
+    if context is not None:
+        return context.num_replicas_in_sync > 1
+    return tf.distribute.get_strategy().num_replicas_in_sync > 1
 
 
 def _missing_super_init(hook_class, defining_class) -> str:

@@ -228,3 +228,11 @@ def _is_functional_call(args, kwargs) -> bool:
         or (len(args) == 1 and "outputs" in kwargs)
         or ("inputs" in kwargs and "outputs" in kwargs)
     )
+
+
+# Keras's legacy `.h5` format names a model class by its bare name, which
+# Keras looks up among the custom objects (`keras.saving.get_custom_objects`,
+# a dict it documents as mutable). The classes are registered as
+# `keras_dist>...` for `.keras` files; the bare names let `.h5` files load.
+for _cls in (DistributedModel, FunctionalDistributedModel, WrappedModel):
+    keras.saving.get_custom_objects().setdefault(_cls.__name__, _cls)
