@@ -27,10 +27,17 @@ measures:
   process, and so is the callback's whole save; the backup's size is that
   of its `state.npz`.
 
+Each save configuration runs on every storage of `--storages`: `disk` (a
+temporary folder under `--tmp-dir`: `os` calls, fsync, `os.replace`) and
+`ram` (TensorFlow's in-memory `ram://` file system, written through
+`tf.io.gfile` like an object store: the backup under its own prefix, then
+the pointer; no fsync, no rename), side by side.
+
 Usage:
 
     python benchmarks/bench_backup.py [--models digits mlp25m]
-        [--save-freqs 1 10 100 epoch] [--out docs/benchmarks/backup.json]
+        [--save-freqs 1 10 100 epoch] [--storages disk ram]
+        [--out docs/benchmarks/backup.json]
 
 Prints a markdown table; writes the raw timings, the environment and the
 command to the JSON file, and a plot next to it (same name, `.png`) when
@@ -40,11 +47,13 @@ matplotlib is importable (`--replot JSON` redraws it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
+import uuid
 
 import _harness as harness
 
@@ -53,6 +62,7 @@ BATCH_SIZE = 64
 ACCUMULATION_STEPS = 2
 MODELS = ("digits", "mlp25m")
 NO_CALLBACK = "none"
+STORAGES = ("disk", "ram")
 MLP_WIDTHS = (1024, 4096, 4096, 1024)
 WARMUP_BATCHES = 3
 
@@ -107,6 +117,13 @@ def parse_args(argv=None):
         "--mlp-rounds", type=count, default=3, help="Rounds of 25M-MLP runs."
     )
     parser.add_argument(
+        "--storages",
+        nargs="+",
+        choices=STORAGES,
+        default=list(STORAGES),
+        help="Where the backups go: a local folder (disk) and/or ram://.",
+    )
+    parser.add_argument(
         "--tmp-dir",
         default=None,
         help="Where the temporary backup folders go (default: the system's).",
@@ -114,8 +131,27 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def label(save_freq):
-    return NO_CALLBACK if save_freq is None else f"save_freq={save_freq}"
+def label(save_freq, storage="disk"):
+    if save_freq is None:
+        return NO_CALLBACK
+    return f"save_freq={save_freq}" + (" on ram://" if storage == "ram" else "")
+
+
+@contextlib.contextmanager
+def backup_folder(storage, tmp_dir):
+    """A fresh `backup_dir` on `storage`, removed afterwards."""
+    if storage == "disk":
+        with tempfile.TemporaryDirectory(dir=tmp_dir) as folder:
+            yield os.path.join(folder, "backup")
+        return
+    import tensorflow as tf
+
+    root = f"ram://kd-bench-backup-{uuid.uuid4().hex}"
+    try:
+        yield f"{root}/backup"
+    finally:
+        if tf.io.gfile.exists(root):
+            tf.io.gfile.rmtree(root)
 
 
 class SaveTimer:
@@ -143,8 +179,10 @@ class SaveTimer:
         name = self._write(backup_dir, *args, **kwargs)
         record = self.records[-1]
         record["write_s"] = time.perf_counter() - start
-        state = os.path.join(backup_dir, name, self._module.STATE_FILE)
-        record["state_bytes"] = os.path.getsize(state)
+        import tensorflow as tf
+
+        state = self._module.files.join(backup_dir, name, self._module.STATE_FILE)
+        record["state_bytes"] = tf.io.gfile.stat(state).length
         return name
 
     def _timed_remove_all(self, *args, **kwargs):
@@ -275,12 +313,16 @@ def run_model(tf, keras, keras_dist, np, name, args, strategy, timer):
         fit(1, os.path.join(folder, "backup"), WARMUP_BATCHES)
     timer.take()
 
-    configurations = [None, *args.save_freqs]
+    configurations = [(None, "disk")] + [
+        (save_freq, storage)
+        for save_freq in args.save_freqs
+        for storage in args.storages
+    ]
     runs = []
     for round_index in range(rounds):
-        for save_freq in harness.alternate(configurations, round_index):
-            with tempfile.TemporaryDirectory(dir=args.tmp_dir) as folder:
-                seconds, callbacks = fit(save_freq, os.path.join(folder, "backup"))
+        for save_freq, storage in harness.alternate(configurations, round_index):
+            with backup_folder(storage, args.tmp_dir) as folder:
+                seconds, callbacks = fit(save_freq, folder)
             saves, cleanup = timer.take()
             whole = callbacks[0].save_seconds if callbacks else []
             for record, total in zip(saves, whole):
@@ -288,8 +330,9 @@ def run_model(tf, keras, keras_dist, np, name, args, strategy, timer):
             runs.append(
                 {
                     "round": round_index,
-                    "configuration": label(save_freq),
+                    "configuration": label(save_freq, storage),
                     "save_freq": save_freq,
+                    "storage": storage if save_freq is not None else None,
                     "batches": epochs * batches_per_epoch,
                     "fit_s": seconds,
                     "cleanup_s": cleanup,
@@ -297,7 +340,8 @@ def run_model(tf, keras, keras_dist, np, name, args, strategy, timer):
                 }
             )
             print(
-                f"  [{name}] round {round_index + 1}/{rounds} {label(save_freq)}: "
+                f"  [{name}] round {round_index + 1}/{rounds} "
+                f"{label(save_freq, storage)}: "
                 f"{seconds * 1e3 / (epochs * batches_per_epoch):.1f} ms/batch, "
                 f"{len(saves)} saves",
                 file=sys.stderr,
@@ -466,6 +510,7 @@ def run(args, report):
             "all_reduce_hook": "FP16()",
             "callback": "BackupAndRestore(tmp_dir, save_freq, delete_checkpoint=True)",
             "save_freqs": args.save_freqs,
+            "storages": args.storages,
             "digits_model": "Conv2D(32)-Conv2D(64)-MaxPool-Dense(128)-Dense(10)",
             "mlp25m_model": "Dense " + " -> ".join(map(str, MLP_WIDTHS)) + ", MSE",
             "tmp_dir": args.tmp_dir or tempfile.gettempdir(),

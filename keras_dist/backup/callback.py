@@ -305,6 +305,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             store.remove_all(self.backup_dir, owner=owner)
         else:
             lock_lib.release(self.backup_dir, owner)
+            files.remove_empty_folder(self.backup_dir)
 
     # --- Saving and restoring --------------------------------------------------------
 

@@ -148,8 +148,12 @@ def _check_batch_size(model, batch, resume: Resume) -> None:
     first = next((t for t in tf.nest.flatten(batch) if t is not None), None)
     if expected is None or first is None:
         return
-    local = model.distribute_strategy.experimental_local_results(first)
-    got = sum(int(t.shape[0]) for t in local)
+    sizes = [
+        t.shape[0] for t in model.distribute_strategy.experimental_local_results(first)
+    ]
+    if any(size is None for size in sizes):
+        return  # not a dense batch (ragged): nothing to compare
+    got = sum(int(size) for size in sizes)
     if got != expected:
         raise store.BackupError(
             f"The backup in {resume.path} was written while training on "
