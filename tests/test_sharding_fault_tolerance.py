@@ -1,0 +1,113 @@
+"""A worker killed mid-epoch under `keras-dist launch --max-restarts 1` with
+sharded Adam, accumulation and `BackupAndRestore`: the restarted job ends
+with the uninterrupted run's weights (issue 28, "Resume").
+
+`tests/sharding_fault_worker.py` trains on 2 worker processes: one launch
+trains the uninterrupted references of both accumulation forms (stage 2:
+`ShardedOptimizer(Adam, accumulation_steps=2)`; stage 1:
+`GradientAccumulationOptimizer(ShardedOptimizer(Adam), 2)`); the others
+SIGKILL worker 1 after its 7th batch, between two backups (every 4 batches)
+and in the middle of an accumulation cycle. The chief's final weights must
+equal the reference's to 1e-6 (the same arithmetic in the same order), and
+the one-device unsharded run's to 1e-6 too.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import sharding_fault_worker as worker
+from helpers import REPO_ROOT, max_abs_diff
+
+WORKER = os.path.join(REPO_ROOT, "tests", "sharding_fault_worker.py")
+LAUNCH_TIMEOUT = 600
+
+
+def launch(tmp, *args, max_restarts=0):
+    """Runs the worker script on 2 workers; returns (status, output)."""
+    command = [
+        *(sys.executable, "-m", "keras_dist", "launch", "--workers", "2"),
+        *("--max-restarts", str(max_restarts), "--"),
+        *(sys.executable, WORKER, str(tmp / "out"), str(tmp / "b"), *args),
+    ]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("TF_CONFIG", None)
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=LAUNCH_TIMEOUT,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def weights(folder):
+    with np.load(os.path.join(folder, "weights.npz")) as archive:
+        return [archive[f"arr_{i}"] for i in range(len(archive.files))]
+
+
+def summary(folder):
+    with open(os.path.join(folder, "summary.json")) as handle:
+        return json.load(handle)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """The uninterrupted 2-worker runs of both configurations, one launch."""
+    tmp = tmp_path_factory.mktemp("references")
+    status, output = launch(tmp, "--config", "stage2", "--config", "stage1")
+    assert status == 0, output[-3000:]
+    # Training ended normally: the backups were deleted.
+    assert not os.path.exists(tmp / "b" / "stage2")
+    return tmp / "out"
+
+
+def one_device(config):
+    """The same training unsharded on one device (this process)."""
+    model = worker.build(config, sharded=False)
+    x, y = worker.data()
+    model.fit(
+        x,
+        y,
+        batch_size=worker.GLOBAL_BATCH,
+        epochs=worker.EPOCHS,
+        shuffle=False,
+        verbose=0,
+    )
+    return model
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["stage2", "stage1"])
+def test_sigkill_mid_accumulation_resumes_sharded_adam_exactly(
+    tmp_path, references, config
+):
+    status, output = launch(
+        tmp_path, "--config", config, "--hurt", "0:kill:7", max_restarts=1
+    )
+    assert status == 0, output[-3000:]
+    assert "hurting myself: kill" in output
+    assert "restart 1 of 1: worker:1 failed with exit code 137" in output
+    # Attempt 1 resumed from the backup after batch 4 (of 7 run).
+    assert f"{config}/backup-00000001 at epoch 0, after 4 batches" in output
+    got, reference = tmp_path / "out" / config, references / config
+    assert max_abs_diff(weights(got), weights(reference)) <= 1e-6
+    resumed, uninterrupted = summary(got), summary(reference)
+    updates = worker.EPOCHS * worker.EXAMPLES // worker.GLOBAL_BATCH
+    assert resumed["iterations"] == uninterrupted["iterations"] == updates // 2
+    # Each worker's one replica kept half of Adam's slots.
+    parameters = sum(int(np.prod(w.shape)) for w in weights(got))
+    assert resumed["replicas"] == 2
+    assert resumed["slot_shape"] == [[-(-parameters // 2)]]
+    for key, values in resumed["history"].items():
+        assert values == pytest.approx(
+            uninterrupted["history"][key][-len(values) :], rel=1e-6
+        ), key
+    # And the sharded run is the unsharded one-device training.
+    assert max_abs_diff(weights(got), one_device(config).get_weights()) <= 1e-6
