@@ -380,3 +380,115 @@ def test_tensorflow_logs_are_quiet_unless_asked_for(
         assert lines[0] == f"level {level} switch {switch}"
         assert "mine" in lines
         assert (len(lines) == 4) is shown, lines
+
+
+# --- Cores split between the tasks -----------------------------------------
+
+THREADS_TASK = """
+    import os
+    print("intra", os.environ.get("TF_NUM_INTRAOP_THREADS"))
+"""
+_THREAD_VARS = (
+    "TF_NUM_INTRAOP_THREADS",
+    "OMP_NUM_THREADS",
+    "KERAS_DIST_SPLIT_THREADS",
+)
+
+
+def launched_intra_op_threads(tmp_path, environ=None, **kwargs):
+    """The `TF_NUM_INTRAOP_THREADS` every launched task saw, by task name."""
+    script = write_script(tmp_path, "threads.py", THREADS_TASK)
+    env = {k: v for k, v in os.environ.items() if k not in _THREAD_VARS}
+    out, err = io.StringIO(), io.StringIO()
+    kwargs.setdefault("workers", 2)
+    status = launcher.launch(
+        [sys.executable, script],
+        environ={**env, **(environ or {})},
+        stdout=out,
+        stderr=err,
+        **kwargs,
+    )
+    assert status == 0, err.getvalue()
+    seen = {}
+    for line in out.getvalue().splitlines():
+        task, _, text = line.partition("] ")
+        if text.startswith("intra "):
+            seen[task.lstrip("[")] = text.split()[1]
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("tasks", "cores", "threads"),
+    [(2, 2, 1), (4, 2, 1), (2, 8, 4), (3, 8, 2), (16, 8, 1)],
+)
+def test_each_task_gets_its_share_of_the_cores(tasks, cores, threads):
+    env = {"A": "1"}
+
+    assert supervisor.split_cores(env, tasks, cores=cores) == threads
+    assert env == {"A": "1", "TF_NUM_INTRAOP_THREADS": str(threads)}
+
+
+def test_one_task_keeps_every_core():
+    env = {}
+
+    assert supervisor.split_cores(env, 1, cores=8) is None
+    assert env == {}
+
+
+@pytest.mark.parametrize("name", ["TF_NUM_INTRAOP_THREADS", "OMP_NUM_THREADS"])
+def test_threads_the_user_chose_are_kept(name):
+    env = {name: "3"}
+
+    assert supervisor.split_cores(env, 2, cores=8) is None
+    assert env == {name: "3"}
+
+
+def test_cores_are_read_from_the_affinity_mask():
+    assert supervisor.available_cores() == len(os.sched_getaffinity(0))
+
+
+def test_launched_tasks_get_the_split_by_default(tmp_path, monkeypatch):
+    monkeypatch.setattr(supervisor, "available_cores", lambda: 8)
+
+    # 2 workers and a chief: 3 processes share 8 cores.
+    seen = launched_intra_op_threads(tmp_path, chief=True)
+
+    assert seen == {"chief:0": "2", "worker:0": "2", "worker:1": "2"}
+
+
+def test_one_launched_task_is_left_to_tensorflow(tmp_path):
+    assert launched_intra_op_threads(tmp_path, workers=1) == {"worker:0": "None"}
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({"TF_NUM_INTRAOP_THREADS": "3"}, "3"),
+        ({"OMP_NUM_THREADS": "1"}, "None"),
+    ],
+)
+def test_launched_tasks_keep_the_threads_the_user_set(tmp_path, environ, expected):
+    seen = launched_intra_op_threads(tmp_path, environ=environ)
+
+    assert seen == {"worker:0": expected, "worker:1": expected}
+
+
+@pytest.mark.parametrize(
+    "environ, kwargs",
+    [
+        ({"KERAS_DIST_SPLIT_THREADS": "0"}, {}),
+        ({"KERAS_DIST_SPLIT_THREADS": "off"}, {}),
+        ({}, {"split_threads": False}),
+        # The argument wins over the variable.
+        ({"KERAS_DIST_SPLIT_THREADS": "1"}, {"split_threads": False}),
+    ],
+)
+def test_the_split_can_be_turned_off(tmp_path, environ, kwargs):
+    seen = launched_intra_op_threads(tmp_path, environ=environ, **kwargs)
+
+    assert seen == {"worker:0": "None", "worker:1": "None"}
+
+
+def test_the_split_switch_must_be_a_bool():
+    with pytest.raises(TypeError, match="`split_threads` must be a bool"):
+        launcher.launch(["true"], workers=2, split_threads="no")

@@ -2,7 +2,8 @@
 
 - `keras_dist.launcher.supervisor`: `launch`, which builds the tasks of a
   local cluster, runs them, relays the exit status of the one that failed
-  and restarts a failed job (`--max-restarts`).
+  and restarts a failed job (`--max-restarts`); it splits the cores
+  between the tasks (`TF_NUM_INTRAOP_THREADS`, `KERAS_DIST_SPLIT_THREADS`).
 - `keras_dist.launcher.process`: starting, watching and stopping groups of
   task processes, one helper for the launcher and
   `keras_dist.testing.run_workers`.
@@ -30,6 +31,9 @@ from keras_dist.launcher.supervisor import (
 )
 from keras_dist.launcher.supervisor import DEFAULT_GRACE_PERIOD as DEFAULT_GRACE_PERIOD
 from keras_dist.launcher.supervisor import RESTART_ENV_VAR as RESTART_ENV_VAR
+from keras_dist.launcher.supervisor import (
+    SPLIT_THREADS_ENV_VAR as SPLIT_THREADS_ENV_VAR,
+)
 from keras_dist.launcher.supervisor import TASK_ENV_VAR as TASK_ENV_VAR
 from keras_dist.launcher.supervisor import launch as launch
 
@@ -39,6 +43,7 @@ __all__ = [
     "DEFAULT_GRACE_PERIOD",
     "EXIT_PREEMPTED",
     "RESTART_ENV_VAR",
+    "SPLIT_THREADS_ENV_VAR",
     "TASK_ENV_VAR",
     "launch",
 ]

@@ -44,6 +44,15 @@ DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 COLLECTIVE_TIMEOUT_ENV_VAR = cluster_lib.COLLECTIVE_TIMEOUT_ENV_VAR
 # Internal subcommand that runs a parameter-server task; hidden from `--help`.
 PS_SERVER_COMMAND = "_ps-server"
+# The cores split between the tasks (`split_threads`): on unless this
+# variable is `0`, `false`, `no` or `off`.
+SPLIT_THREADS_ENV_VAR = "KERAS_DIST_SPLIT_THREADS"
+# TensorFlow sizes its intra-op pool from this variable when it starts.
+INTRA_OP_ENV_VAR = "TF_NUM_INTRAOP_THREADS"
+# Variables by which the user has chosen the threads already: then the
+# launcher sets nothing.
+USER_THREAD_ENV_VARS = (INTRA_OP_ENV_VAR, "OMP_NUM_THREADS")
+_SPLIT_OFF = ("0", "false", "no", "off")
 
 _PS_SERVER_ARGS = ("-m", "keras_dist", PS_SERVER_COMMAND)
 
@@ -61,6 +70,7 @@ def launch(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     tf_logs: bool = False,
+    split_threads: bool | None = None,
 ) -> int:
     """Runs `command` as every chief and worker task of a local cluster.
 
@@ -104,6 +114,20 @@ def launch(
     was preempted (`SIGTERM`, after writing its backup) exits with status
     75, and is restarted like any other failure.
 
+    The tasks share this machine's cores, and TensorFlow gives every
+    process an intra-op thread pool as large as all of them, so N tasks
+    oversubscribe the cores N times. The launcher splits them (as torchrun
+    sets `OMP_NUM_THREADS=1`): with more than one task, each gets
+    `TF_NUM_INTRAOP_THREADS = max(1, cores // tasks)`, where cores is the
+    size of this process's CPU affinity mask (`os.cpu_count()` where there
+    is none) and tasks counts every task started here (parameter servers,
+    chief and workers). Nothing is set when the environment has
+    `TF_NUM_INTRAOP_THREADS` or `OMP_NUM_THREADS` (the user chose), when
+    `split_threads=False`, or when `KERAS_DIST_SPLIT_THREADS` is `0`,
+    `false`, `no` or `off`. The inter-op pool is left to TensorFlow:
+    `benchmarks/bench_ddp.py --threads-check` measured no gain from
+    shrinking it (docs/benchmarks/ddp.md).
+
     `keras_dist.cli.launch` is this same function.
 
     Args:
@@ -137,6 +161,9 @@ def launch(
             get `KERAS_DIST_TF_LOGS=1`). Defaults to `False`: quiet, unless
             the environment sets `KERAS_DIST_TF_LOGS` or
             `TF_CPP_MIN_LOG_LEVEL`.
+        split_threads: Bool or `None`. Split the cores between the tasks
+            (`TF_NUM_INTRAOP_THREADS`, see above). `None` splits them unless
+            `KERAS_DIST_SPLIT_THREADS` turns it off. Defaults to `None`.
 
     Returns:
         `0` when every chief and worker task exited with status 0 (with
@@ -168,6 +195,8 @@ def launch(
     ps = check_int("ps", ps, minimum=0)
     chief = check_bool("chief", chief)
     tf_logs = check_bool("tf_logs", tf_logs)
+    if split_threads is not None:
+        split_threads = check_bool("split_threads", split_threads)
     grace_period = check_real(
         "grace_period", grace_period, minimum=0, hint="It is in seconds."
     )
@@ -186,6 +215,12 @@ def launch(
         env[COLLECTIVE_TIMEOUT_ENV_VAR] = f"{collective_timeout:g}"
     else:
         env.setdefault(COLLECTIVE_TIMEOUT_ENV_VAR, f"{DEFAULT_COLLECTIVE_TIMEOUT:g}")
+    if split_threads is None:
+        split_threads = env.get(SPLIT_THREADS_ENV_VAR, "").strip().lower() not in (
+            _SPLIT_OFF
+        )
+    if split_threads:
+        split_cores(env, workers + ps + int(chief))
     quiet = tf_logs_lib.prepare_environment(env, tf_logs)
     if tf_logs:
         # So that a `keras-dist` command run by a task shows them too.
@@ -232,6 +267,40 @@ def launch(
             f"restart {attempt} of {max_restarts}: {name} {how}; starting the "
             f"whole job again ({RESTART_ENV_VAR}={attempt}).",
         )
+
+
+def available_cores() -> int:
+    """The cores this process may run on: its affinity mask, else the count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity mask (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def split_cores(
+    env: dict[str, str], tasks: int, cores: int | None = None
+) -> int | None:
+    """Gives each of `tasks` processes its share of the cores, in `env`.
+
+    Sets `TF_NUM_INTRAOP_THREADS` to `max(1, cores // tasks)` when more than
+    one task shares the machine and `env` has neither
+    `TF_NUM_INTRAOP_THREADS` nor `OMP_NUM_THREADS` (a value the user chose
+    is kept). One task already gets every core from TensorFlow.
+
+    Args:
+        env: Dict. The tasks' base environment, changed in place.
+        tasks: Int. The processes started on this machine.
+        cores: Int or `None`. The cores to split; `None` reads
+            `available_cores()`. Defaults to `None`.
+
+    Returns:
+        The intra-op threads set, or `None` when nothing was set.
+    """
+    if tasks <= 1 or any(env.get(name, "").strip() for name in USER_THREAD_ENV_VARS):
+        return None
+    threads = max(1, (available_cores() if cores is None else cores) // tasks)
+    env[INTRA_OP_ENV_VAR] = str(threads)
+    return threads
 
 
 def cluster_tasks(
