@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from keras_dist import _apply, _registration  # noqa: F401 (registers the hooks)
 from keras_dist._compat import keras_src as _compat
+from keras_dist._compat import tf_internal
 from keras_dist._validation import check_int
 from keras_dist._wrapper import InnerOptimizerWrapper, check_base_kwargs
 from keras_dist.core import accumulation, aggregation, collectives, sharding, topology
@@ -63,7 +64,9 @@ class ShardedOptimizer(InnerOptimizerWrapper):
       `exclude_from_weight_decay` act per element of the slice;
     - `LossScaleOptimizer` (mixed precision): inside, as
       `ShardedOptimizer(LossScaleOptimizer(inner))`, which
-      `DistributedModel.compile` arranges under `mixed_float16`;
+      `DistributedModel.compile` arranges under `mixed_float16`. A plain
+      `keras.Model` under `mixed_float16` adds its own scaler outside: give
+      it `ShardedOptimizer(inner)` (the inner scaler is refused there);
     - `DistributedModel(..., all_reduce_hook=NoCompression())` only: a
       compressing hook would need a compressed reduce-scatter, which is not
       built; the hook is refused by name;
@@ -168,9 +171,12 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             "_shards",
             _Shards(layout, var_list, self._base, strategy),
         )
-        with sharding.replica_local_variables():
+        with sharding.replica_local_variables(on_create=self._save_sliced_whole):
             self._slice = keras.Variable(
-                np.zeros(layout.slice_size), dtype=dtype, name="parameter_slice"
+                keras.initializers.Zeros(),
+                shape=(layout.slice_size,),
+                dtype=dtype,
+                name="parameter_slice",
             )
             if self._loss_scaler is not None:
                 self._loss_scaler.build([self._slice])
@@ -178,7 +184,8 @@ class ShardedOptimizer(InnerOptimizerWrapper):
                 self._base.build([self._slice])
             if self._accumulation_steps > 1:
                 self._accumulator = keras.Variable(
-                    np.zeros(layout.slice_size),
+                    keras.initializers.Zeros(),
+                    shape=(layout.slice_size,),
                     dtype=dtype,
                     name="gradient_slice_accumulator",
                 )
@@ -242,13 +249,22 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         sliced = [self._slice, *self._base.variables]
         if self._accumulation_steps > 1:
             sliced.append(self._accumulator)
+        # Without a strategy (one replica) the slice is an ordinary variable
+        # holding the whole vector: the inventory's 'same', not a shard.
         return {
             id(_tf(v)): total
             for v in sliced
             if tuple(v.shape) == (self._shards.layout.slice_size,)
+            and isinstance(_tf(v), tf.distribute.DistributedValues)
         }
 
     # --- Update ---------------------------------------------------------------
+
+    def scale_loss(self, loss):
+        # Seen while tracing: `apply` checks that the loss it unscales was
+        # scaled here (see `_check_loss_scaled`).
+        self._scaled_loss = True
+        return super().scale_loss(loss)
 
     def apply(self, grads, trainable_variables=None):
         """Reduce-scatters `grads`, updates the slices, all-gathers them.
@@ -256,9 +272,34 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         What a plain `keras.Model`'s `train_step` calls (replica context);
         `DistributedModel` calls `shard_and_apply` with its batch sizes.
         """
+        self._check_loss_scaled()
         if trainable_variables is None:
             trainable_variables = _compat.optimizer_trainable_variables(self)
         self.shard_and_apply(grads, trainable_variables)
+
+    def _check_loss_scaled(self):
+        """Refuses to unscale gradients of a loss this optimizer did not scale.
+
+        Under `mixed_float16` Keras's `compile` wraps any optimizer that is
+        not a `LossScaleOptimizer` in one: `ShardedOptimizer(
+        LossScaleOptimizer(inner))` given to a plain `keras.Model` gets an
+        outer scaler that scales the loss and unscales the gradients, and the
+        inner one would divide them by its own scale once more.
+        """
+        if self._loss_scaler is None or getattr(self, "_scaled_loss", False):
+            return
+        raise ValueError(
+            "ShardedOptimizer(LossScaleOptimizer(...)) was asked to apply "
+            "gradients of a loss it did not scale: its `scale_loss` was never "
+            "called, so its LossScaleOptimizer would unscale gradients that "
+            "were not scaled by it. Under mixed_float16 a plain keras.Model's "
+            "compile wraps the optimizer in its own LossScaleOptimizer. "
+            "Received: inner_optimizer="
+            f"{type(self.inner_optimizer).__name__}({type(self._base).__name__})."
+            " Pass `ShardedOptimizer(inner)` and let Keras add the loss "
+            "scaling, use `keras_dist.DistributedModel`, or scale the loss "
+            "with `optimizer.scale_loss(loss)` in your own training step."
+        )
 
     def shard_and_apply(
         self,
@@ -393,17 +434,10 @@ class ShardedOptimizer(InnerOptimizerWrapper):
 
     def _whole(self, variable):
         """A variable's value to save: a slice variable gathered whole."""
-        rules = self.shard_rules
         tf_variable = _tf(variable)
-        if id(tf_variable) not in rules:
+        if id(tf_variable) not in self.shard_rules:
             return np.asarray(variable.numpy())
-        strategy = self._shards.strategy
-        slices = strategy.experimental_local_results(tf_variable)
-        if strategy.num_replicas_in_sync == len(slices):
-            whole = np.concatenate([np.asarray(s.numpy()) for s in slices])
-        else:
-            whole = np.asarray(collectives.gather_across(strategy, tf_variable))
-        return whole[: rules[id(tf_variable)]]
+        return self._gathered(tf_variable)
 
     def _load(self, variable, value):
         """Assigns a saved value; a whole vector is resharded into slices."""
@@ -411,14 +445,45 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         if id(tf_variable) not in self.shard_rules:
             variable.assign(value)
             return
+        self._assign_slices(tf_variable, value)
+
+    def _gathered(self, tf_variable) -> np.ndarray:
+        """Every replica's slice of a per-replica variable, joined, unpadded."""
+        strategy = self._shards.strategy
+        slices = strategy.experimental_local_results(tf_variable)
+        if strategy.num_replicas_in_sync == len(slices):
+            whole = np.concatenate([np.asarray(s.numpy()) for s in slices])
+        else:
+            whole = np.asarray(collectives.gather_across(strategy, tf_variable))
+        return whole[: self._shards.layout.total]
+
+    def _assign_slices(self, tf_variable, value) -> None:
+        """A whole saved vector, resharded into this strategy's slices."""
         layout = self._shards.layout
-        slices = layout.reshard(value, layout.replicas)
+        slices = layout.reshard(np.asarray(value), layout.replicas)
         strategy = self._shards.strategy
         first, _ = topology.worker_layout(strategy)
         for offset, component in enumerate(
             strategy.experimental_local_results(tf_variable)
         ):
             component.assign(slices[first + offset])
+
+    def _save_sliced_whole(self, tf_variable) -> None:
+        """`tf.train.Checkpoint` saves a slice variable whole, reshards it.
+
+        A per-replica variable is otherwise written as its first replica's
+        value: one slice of the state.
+        """
+        slice_shape = (self._shards.layout.slice_size,)
+        if tuple(tf_variable.shape) != slice_shape or not isinstance(
+            tf_variable, tf.distribute.DistributedValues
+        ):
+            return
+        tf_internal.checkpoint_through(
+            tf_variable,
+            lambda: tf.constant(self._gathered(tf_variable)),
+            lambda value: self._assign_slices(tf_variable, value),
+        )
 
     # --- Serialization ----------------------------------------------------------
 
@@ -464,11 +529,19 @@ class _Shards:
         self.strategy = strategy
         self._index = {id(v): i for i, v in enumerate(self.variables)}
         # NumPy, made into constants where used: the optimizer can be built
-        # inside one traced function and used in another.
-        self._segments = layout.segment_ids()
+        # inside one traced function and used in another. Per-element arrays
+        # (4 bytes per parameter) only where needed: a variable index for
+        # `clipnorm` (made on first use), a mask for weight decay with
+        # exclusions (decaying everything needs none: padding stays zero).
+        self._segments = None
         self._base = base
         decayed = [_compat.uses_weight_decay(base, v) for v in self.variables]
-        self._decay = layout.element_mask(decayed) if any(decayed) else None
+        if not any(decayed):
+            self._decay = None
+        elif all(decayed):
+            self._decay = 1.0
+        else:
+            self._decay = layout.element_mask(decayed)
 
     def in_order(self, grads, variables) -> list:
         """Gradients in the layout's order; `None` and missing ones as zeros."""
@@ -494,8 +567,8 @@ class _Shards:
         ]
 
     def local_decay_mask(self, replica):
-        if self._decay is None:
-            return None
+        if self._decay is None or isinstance(self._decay, float):
+            return self._decay
         return self.layout.local(tf.constant(self._decay), replica)
 
     def clipped(self, local, replica):
@@ -504,6 +577,8 @@ class _Shards:
         if base.clipvalue:
             local = tf.clip_by_value(local, -base.clipvalue, base.clipvalue)
         if base.clipnorm:
+            if self._segments is None:
+                self._segments = self.layout.segment_ids()
             segments = self.layout.local(tf.constant(self._segments), replica)
             norms = sharding.per_variable_norms(self.layout, local, segments)
             factors = base.clipnorm / tf.maximum(norms, base.clipnorm)

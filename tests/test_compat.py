@@ -323,3 +323,22 @@ def test_tf_keras_registered_names_are_where_we_extend_them():
     subclass = type("Adafactor", (base,), {})
     tf_keras_src.save_under_the_name_of(subclass, base)
     assert object_registration.get_registered_name(subclass) == "Custom>Adafactor"
+
+
+def test_checkpoint_writes_what_an_instance_serializes(tmp_path):
+    # tf.train.Checkpoint honours a variable's own _serialize_to_tensors and
+    # _restore_from_tensors, also through a Keras variable that delegates.
+    variable = keras.Variable(tf.zeros([2]))
+    tf_internal.checkpoint_through(
+        variable.value, lambda: tf.constant([1.0, 2.0, 3.0]), lambda value: None
+    )
+    path = tf.train.Checkpoint(v=variable).save(str(tmp_path / "ckpt"))
+    saved = tf.train.load_checkpoint(path)
+    names = [n for n in saved.get_variable_to_shape_map() if n.startswith("v/")]
+    assert names == ["v/.ATTRIBUTES/" + tf_internal.CHECKPOINT_TENSOR_KEY]
+    assert saved.get_tensor(names[0]).tolist() == [1.0, 2.0, 3.0]
+    restored = []
+    other = keras.Variable(tf.zeros([2]))
+    tf_internal.checkpoint_through(other.value, lambda: other.value, restored.append)
+    tf.train.Checkpoint(v=other).restore(path)
+    assert restored[0].numpy().tolist() == [1.0, 2.0, 3.0]

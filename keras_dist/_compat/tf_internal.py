@@ -141,3 +141,36 @@ def all_to_all(strategy, tensor):
             timeout=options.timeout_seconds or 0,
             ordering_token=launcher._get_ordering_token(),
         )
+
+
+# --- Checkpoint serialization -------------------------------------------------
+#
+# `tf.train.Checkpoint` saves an object through its `_serialize_to_tensors`
+# and restores it through `_restore_from_tensors` (the `Trackable` protocol,
+# tensorflow/python/trackable/base.py); an instance's own attributes take
+# precedence (`saveable_object_util.trackable_has_serialize_to_tensor`
+# checks the instance `__dict__` first). A Keras 3 variable delegates both
+# to its TensorFlow variable (keras/src/backend/tensorflow/core.py).
+
+CHECKPOINT_TENSOR_KEY = "VARIABLE_VALUE"
+"""The key a variable's value has in a checkpoint (`trackable.VARIABLE_VALUE_KEY`)."""
+
+
+def checkpoint_through(variable, serialize, restore) -> None:
+    """Makes `tf.train.Checkpoint` save `variable` as `serialize()` returns.
+
+    Args:
+        variable: The TensorFlow variable (distributed or not).
+        serialize: Callable `() -> tensor`: the value to write.
+        restore: Callable `(tensor) -> None`: assigns a written value.
+    """
+
+    def serialize_to_tensors():
+        return {CHECKPOINT_TENSOR_KEY: serialize()}
+
+    def restore_from_tensors(restored_tensors):
+        restore(restored_tensors[CHECKPOINT_TENSOR_KEY])
+        return tf.no_op()
+
+    variable._serialize_to_tensors = serialize_to_tensors
+    variable._restore_from_tensors = restore_from_tensors
