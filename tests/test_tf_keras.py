@@ -170,6 +170,38 @@ def test_pruning_on_two_replicas_with_fp16_and_accumulation(mirrored):
     assert result["accuracy"] >= 0.85
 
 
+def stock_pruning_fit(accumulation_steps):
+    tfmot = import_tfmot()
+    model = tfmot.sparsity.keras.prune_low_magnitude(
+        tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(3)]),
+        pruning_schedule=tfmot.sparsity.keras.ConstantSparsity(0.5, 0),
+    )
+    model.compile(
+        optimizer=DistributedOptimizer(
+            tf_keras.optimizers.SGD(0.1), accumulation_steps=accumulation_steps
+        ),
+        loss="mse",
+    )
+    x = np.ones((8, 4), np.float32)
+    model.fit(
+        x,
+        np.zeros((8, 3), np.float32),
+        batch_size=4,
+        callbacks=[tfmot.sparsity.keras.UpdatePruningStep()],
+        verbose=0,
+    )
+    return model
+
+
+def test_stock_pruning_callback_refuses_accumulation():
+    # tfmot's callback would advance the schedule per micro-step (issue 27).
+    with pytest.raises(ValueError, match=r"keras_dist\.tf_keras\.UpdatePruningStep"):
+        stock_pruning_fit(accumulation_steps=2)
+    # Without accumulation a batch is an update: tfmot's callback is right.
+    model = stock_pruning_fit(accumulation_steps=1)
+    assert int(model.optimizer.iterations.numpy()) == 2
+
+
 @pytest.mark.multiworker
 @pytest.mark.slow
 def test_two_worker_processes_equal_one_device_and_prune_alike():
