@@ -41,7 +41,11 @@ from keras_dist.noise_scale import (
     check_max_growth,
 )
 from keras_dist.noise_scale import estimate_noise as estimate_noise
-from keras_dist.optimizers import GradientAccumulationOptimizer, find_accumulator
+from keras_dist.optimizers import (
+    GradientAccumulationOptimizer,
+    check_one_accumulator,
+    find_accumulator,
+)
 from keras_dist.schedules import ScaledLearningRate, find_scaled_schedule
 
 logger = logging.getLogger(__name__)
@@ -379,6 +383,7 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         strategy = model.distribute_strategy
         replicas = strategy.num_replicas_in_sync
         accumulator = find_accumulator(optimizer)
+        check_one_accumulator(optimizer, "AutoScaleBatch")
         if self.adaptive and accumulator is None:
             raise TypeError(
                 "Adaptive mode grows the batch through `accumulation_steps`, so "

@@ -424,3 +424,28 @@ def find_accumulator(optimizer):
         if isinstance(nested, GradientAccumulationOptimizer):
             return nested
     return None
+
+
+def check_one_accumulator(optimizer, user: str) -> None:
+    """Refuses accumulation by another wrapper than a GradientAccumulationOptimizer.
+
+    `user` (e.g. `"AutoScaleBatch"`) counts and changes the global batch
+    through `find_accumulator`; a `ShardedOptimizer(accumulation_steps=k)`
+    makes each update's batch k times larger where it cannot see or change it.
+
+    Raises:
+        ValueError: a nested optimizer accumulates on its own.
+    """
+    accumulator = find_accumulator(optimizer)
+    for nested in nested_optimizers(optimizer):
+        steps = getattr(nested, "accumulation_steps", 1)
+        if nested is not accumulator and isinstance(steps, int) and steps > 1:
+            name = type(nested).__name__
+            raise ValueError(
+                f"{user} counts and grows the global batch through a "
+                f"`keras_dist.GradientAccumulationOptimizer`; {name}("
+                f"accumulation_steps={steps}) accumulates on its own. Received: "
+                f"optimizer={type(optimizer).__name__}. Use "
+                f"`keras_dist.GradientAccumulationOptimizer({name}(inner), "
+                f"accumulation_steps={steps})` instead."
+            )

@@ -21,7 +21,7 @@ from helpers import (
 from sharding_workers import INNER
 
 import keras_dist
-from keras_dist.callbacks import BackupAndRestore
+from keras_dist.callbacks import AutoScaleBatch, BackupAndRestore
 from keras_dist.testing import run_workers
 
 EXAMPLES = 192  # 12 updates of 16 per epoch: 108 updates in 9 epochs
@@ -307,3 +307,40 @@ def test_no_strategy_trains_unsharded_alike():
     reference = unsharded("adamw", batch_size=16)
     model = sharded(tf.distribute.get_strategy(), "adamw", micro_batch=16)
     assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+
+
+def autoscaled(strategy, sharded_inner, steps):
+    x, y = make_data(n=64)
+    with strategy.scope():
+        inner = keras.optimizers.SGD(0.1, momentum=0.9)
+        if sharded_inner:
+            inner = keras_dist.ShardedOptimizer(inner)
+        optimizer = keras_dist.GradientAccumulationOptimizer(inner, steps)
+        model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
+    autoscale = AutoScaleBatch(4, base_batch_size=4, lr_scaling="sqrt", warmup_epochs=1)
+    history = model.fit(x, y, epochs=2, shuffle=False, callbacks=[autoscale], verbose=0)
+    return model, history.history
+
+
+def test_auto_scale_batch_scales_stage_one_as_unsharded(mirrored):
+    strategy = mirrored(2)
+    model, history = autoscaled(strategy, True, 2)
+    reference, reference_history = autoscaled(strategy, False, 2)
+    assert history["batch_size"] == reference_history["batch_size"] == [16, 16]
+    np.testing.assert_allclose(
+        history["learning_rate"], reference_history["learning_rate"], rtol=1e-6
+    )
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
+
+
+def test_auto_scale_batch_refuses_stage_two(mirrored):
+    # AutoScaleBatch would count a batch 2x too small and scale the rate
+    # for it: refused, naming the stage-1 form it can count and grow.
+    x, y = make_data(n=64)
+    with mirrored(2).scope():
+        optimizer = keras_dist.ShardedOptimizer(
+            keras.optimizers.SGD(0.1), accumulation_steps=2
+        )
+        model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
+    with pytest.raises(ValueError, match=r"GradientAccumulationOptimizer\(Sharded"):
+        model.fit(x, y, epochs=1, callbacks=[AutoScaleBatch(4)], verbose=0)
