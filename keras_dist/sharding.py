@@ -11,7 +11,14 @@ from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
 from keras_dist._validation import check_int
 from keras_dist._wrapper import InnerOptimizerWrapper, check_base_kwargs
-from keras_dist.core import accumulation, aggregation, collectives, sharding, topology
+from keras_dist.core import (
+    accumulation,
+    aggregation,
+    casts,
+    collectives,
+    sharding,
+    topology,
+)
 from keras_dist.core.optimizer_view import nested_optimizers
 from keras_dist.core.plain import NoCompression
 
@@ -67,9 +74,13 @@ class ShardedOptimizer(InnerOptimizerWrapper):
       `DistributedModel.compile` arranges under `mixed_float16`. A plain
       `keras.Model` under `mixed_float16` adds its own scaler outside: give
       it `ShardedOptimizer(inner)` (the inner scaler is refused there);
-    - `DistributedModel(..., all_reduce_hook=NoCompression())` only: a
-      compressing hook would need a compressed reduce-scatter, which is not
-      built; the hook is refused by name;
+    - `DistributedModel(..., all_reduce_hook=FP16())` or `BF16()`: the
+      gradients travel in 16 bits on the reduce-scatter and are summed in
+      float32 on arrival (a float16 overflow is sent again at full precision
+      in the same step, as the all-reduce hook does); the all-gather of the
+      updated weights stays at full precision (the float32 weights are what
+      the slices are read back from). The other hooks (TopK, PowerSGD, DGC,
+      custom ones) are refused by name: they compress an all-reduce;
     - `BackupAndRestore`, `.keras` files and `tf.train.Checkpoint`: the state
       is saved whole (gathered from the slices) and resharded on load, on any
       number of replicas.
@@ -324,13 +335,17 @@ class ShardedOptimizer(InnerOptimizerWrapper):
                 (see `DistributedModel.compile`).
             log_skips: Bool. Log a skipped update. Defaults to `True`.
         """
-        if hook is not None and type(hook) is not NoCompression:
+        if not (
+            hook is None
+            or type(hook) is NoCompression
+            or isinstance(hook, (casts.FP16, casts.BF16))
+        ):
             raise ValueError(
-                "ShardedOptimizer reduce-scatters the gradients itself; an "
-                f"all-reduce hook cannot compress that. Received: "
-                f"all_reduce_hook={hook!r}. Remove the hook (the default "
-                "`NoCompression()` sends the bytes of one all-reduce), or "
-                "train unsharded to compress."
+                "ShardedOptimizer reduce-scatters the gradients itself; of the "
+                "all-reduce hooks only the casts (`FP16`, `BF16`) apply to a "
+                f"reduce-scatter. Received: all_reduce_hook={hook!r}. Use "
+                "`NoCompression()` (the default), `FP16()` or `BF16()`, or "
+                "train unsharded to compress with it."
             )
         trainable_variables = list(trainable_variables)
         if not self.built:
@@ -342,8 +357,8 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         if self._accumulation_steps == 1:
             if batch_size is not None:
                 grads = aggregation.weight_by_batch_share(grads, batch_size)
-            local = sharding.reduce_to_owners(
-                shards.layout, shards.layout.flatten(grads, self._slice.dtype)
+            local = self._reduce_to_owners(
+                shards.layout.flatten(grads, self._slice.dtype), hook
             )
             self._update(local, non_finite_gradients, log_skips)
             return
@@ -354,7 +369,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         examples = tf.cast(1 if batch_size is None else batch_size, tf.float32)
         flat = shards.layout.flatten(grads, self._slice.dtype)
         flat = flat * tf.cast(examples * replicas, flat.dtype)
-        local = sharding.reduce_to_owners(shards.layout, flat)
+        local = self._reduce_to_owners(flat, hook)
 
         def apply(mean, _):
             self._update(mean[0], non_finite_gradients, log_skips)
@@ -362,6 +377,27 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         self._cycle.accumulate(
             [local], [self._slice], apply, batch_size=batch_size, weighted=True
         )
+
+    def _reduce_to_owners(self, flat, hook):
+        """This replica's summed slice; a cast hook's dtype on the wire."""
+        if hook is None or type(hook) is NoCompression:
+            local, _ = sharding.reduce_to_owners(self._shards.layout, flat)
+            return local
+        local, overflowed = sharding.reduce_to_owners(
+            self._shards.layout,
+            flat,
+            wire_dtype=hook.wire_dtype_for(flat.dtype),
+            range_checked=hook.range_checked(flat.dtype),
+        )
+        if overflowed is None or "overflow_steps" not in hook.state_names:
+            return local
+        count = tf.cast(overflowed, tf.int64)
+        updates = [
+            hook.state("overflowed").assign(count),
+            hook.state("overflow_steps").assign_add(count),
+        ]
+        with tf.control_dependencies(updates):
+            return tf.identity(local)
 
     def _update(self, local, non_finite, log_skips):
         """Updates this replica's slice with its summed gradient; gathers."""

@@ -135,8 +135,8 @@ def test_a_per_replica_rule_for_a_mirrored_variable_is_refused(mirrored, rule):
         StateInventory().add("model", variable, "w", rule=rule)
 
 
-def test_rules_are_the_documented_five():
-    assert RULES == ("same", "sum", "first", "mean", "exact")
+def test_rules_are_the_documented_six():
+    assert RULES == ("same", "sum", "first", "mean", "shard", "exact")
 
 
 # --- Order, de-duplication, groups, providers ---------------------------------

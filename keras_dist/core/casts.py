@@ -41,7 +41,7 @@ class _CastCompression(AllReduceHook):
 
     def build(self, variables) -> None:
         super().build(variables)
-        if any(self._range_checked(spec.dtype) for spec in self.variable_specs):
+        if any(self.range_checked(spec.dtype) for spec in self.variable_specs):
             # Identical on every replica (they see the same sums), so a
             # checkpoint keeps replica 0's copy.
             for name in ("overflow_steps", "overflowed"):
@@ -57,7 +57,7 @@ class _CastCompression(AllReduceHook):
             return list(gradients)
         payload = []
         for gradient in gradients:
-            wire = self._wire_dtype_for(gradient.dtype)
+            wire = self.wire_dtype_for(gradient.dtype)
             if wire is None:
                 payload.append(gradient)
                 continue
@@ -67,14 +67,14 @@ class _CastCompression(AllReduceHook):
         summed = all_reduce_sum(payload, self.bucket_bytes)
         result = []
         for gradient, value in zip(gradients, summed):
-            if self._wire_dtype_for(gradient.dtype) is None:
+            if self.wire_dtype_for(gradient.dtype) is None:
                 result.append(value)
                 continue
             value = tf.cast(value, gradient.dtype)
             if num_replicas > 1:
                 value = value * tf.cast(num_replicas, gradient.dtype)
             result.append(value)
-        checked = [i for i, g in enumerate(gradients) if self._range_checked(g.dtype)]
+        checked = [i for i, g in enumerate(gradients) if self.range_checked(g.dtype)]
         if not checked:
             return result
         return self._resend_if_overflowed(gradients, summed, result, checked)
@@ -126,7 +126,7 @@ class _CastCompression(AllReduceHook):
         with tf.control_dependencies(updates):
             return [tf.identity(r) for r in result]
 
-    def _wire_dtype_for(self, dtype):
+    def wire_dtype_for(self, dtype):
         """The dtype `dtype` travels in, or `None` for no compression."""
         if not dtype.is_floating:
             return None
@@ -134,9 +134,9 @@ class _CastCompression(AllReduceHook):
         # gradient to float16 (or back) would only lose range or precision.
         return self.wire_dtype if dtype.size > self.wire_dtype.size else dtype
 
-    def _range_checked(self, dtype) -> bool:
+    def range_checked(self, dtype) -> bool:
         """Whether a `dtype` gradient's wire sum can overflow where it cannot."""
-        wire = self._wire_dtype_for(dtype)
+        wire = self.wire_dtype_for(dtype)
         return wire is not None and wire != dtype and wire.max < dtype.max / 2
 
     @property
@@ -179,7 +179,7 @@ class _CastCompression(AllReduceHook):
         return sum(
             specs[i].nbytes
             for i in self.reduced_indices
-            if self._range_checked(specs[i].dtype)
+            if self.range_checked(specs[i].dtype)
         )
 
     def sent_bytes(self, indices) -> int:
@@ -188,7 +188,7 @@ class _CastCompression(AllReduceHook):
         sent = 0
         for index in indices:
             spec = self.variable_specs[index]
-            wire = self._wire_dtype_for(spec.dtype)
+            wire = self.wire_dtype_for(spec.dtype)
             sent += (
                 spec.nbytes
                 if wire is None

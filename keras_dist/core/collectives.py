@@ -294,7 +294,7 @@ def _from_words(words, dtype, count):
     return tf.reshape(values[:, :count], [-1])
 
 
-def reduce_scatter(flat):
+def reduce_scatter(flat, sum_dtype=None):
     """Sums a flat vector over replicas; each replica keeps its own slice.
 
     Replica `i` of `N` gets `sum over replicas of flat[i*S:(i+1)*S]` (`S =
@@ -305,6 +305,9 @@ def reduce_scatter(flat):
 
     Args:
         flat: A vector whose length is a multiple of the replica count.
+        sum_dtype: `tf.DType` or `None`. The dtype the received rows are
+            cast to before the local sum (a 16-bit wire summed in float32).
+            `None`: `flat`'s.
 
     Returns:
         This replica's slice of the sum, of length `len(flat) / N`.
@@ -312,9 +315,11 @@ def reduce_scatter(flat):
     ctx = replica_context()
     replicas = ctx.num_replicas_in_sync
     if replicas == 1:
-        return flat
+        return flat if sum_dtype is None else tf.cast(flat, sum_dtype)
     rows = tf.reshape(flat, [replicas, -1])
     received = tf_internal.all_to_all(ctx.strategy, rows)
+    if sum_dtype is not None:
+        received = tf.cast(received, sum_dtype)
     return tf.reduce_sum(tf.reshape(received, [replicas, -1]), axis=0)
 
 

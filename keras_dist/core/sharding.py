@@ -115,9 +115,53 @@ class ShardLayout:
         return flat.reshape(replicas, other.slice_size)
 
 
-def reduce_to_owners(layout: ShardLayout, flat):
-    """Reduce-scatter of a flattened gradient: this replica's summed slice."""
-    return collectives.reduce_scatter(flat)
+def reduce_to_owners(layout: ShardLayout, flat, wire_dtype=None, range_checked=False):
+    """Reduce-scatter of a flattened gradient: this replica's summed slice.
+
+    Args:
+        layout: The `ShardLayout`.
+        flat: This replica's flattened gradient (`layout.padded` elements).
+        wire_dtype: `tf.DType` or `None`. The dtype the rows travel in (a
+            16-bit cast halves the bytes); they are summed in `flat`'s
+            dtype on arrival, so only the cast rounds. `None`: `flat`'s.
+        range_checked: Bool. Whether the wire dtype can overflow where
+            `flat`'s cannot (float16 for float32). Then, when any replica's
+            cast of a finite entry is not finite, every replica sends again
+            at full precision in the same step.
+
+    Returns:
+        `(local, overflowed)`: this replica's summed slice, and a boolean
+        scalar tensor (the same on every replica) saying whether the step
+        was sent again, or `None` without a range check.
+    """
+    if wire_dtype is None or tf.as_dtype(wire_dtype) == flat.dtype:
+        return collectives.reduce_scatter(flat), None
+    sent = tf.cast(flat, wire_dtype)
+    local = collectives.reduce_scatter(sent, sum_dtype=flat.dtype)
+    if not range_checked or collectives.replica_context().num_replicas_in_sync == 1:
+        return local, None
+    lost = tf.math.is_finite(flat) & ~tf.math.is_finite(sent)
+    overflowed = collectives.all_reduce(tf.reduce_sum(tf.cast(lost, tf.int32))) > 0
+
+    # A collective inside a replica-context `tf.cond` cannot be traced under
+    # MirroredStrategy: the branch is taken in cross-replica context, as the
+    # all-reduce hooks do (`core.casts`). Every replica has the same flag.
+    def choose(strategy, overflowed, flat, local):
+        def full():
+            return strategy.extended.call_for_each_replica(
+                collectives.reduce_scatter, args=(flat,)
+            )
+
+        def kept():
+            return strategy.extended.call_for_each_replica(tf.identity, args=(local,))
+
+        flag = strategy.experimental_local_results(overflowed)[0]
+        return tf.cond(flag, full, kept)
+
+    local = collectives.replica_context().merge_call(
+        choose, args=(overflowed, flat, local)
+    )
+    return local, overflowed
 
 
 def gather_slices(layout: ShardLayout, local_slice) -> list:
