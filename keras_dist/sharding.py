@@ -417,9 +417,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         # The slice of the model's current weights: the weights may have
         # been set since the last update (set_weights, a restore).
         self._slice.assign(
-            shards.layout.local(
-                shards.layout.flatten(shards.variables, self._slice.dtype), replica
-            )
+            shards.layout.local_of(shards.variables, replica, self._slice.dtype)
         )
 
         def update(local):
@@ -605,7 +603,7 @@ class _Shards:
     def local_decay_mask(self, replica):
         if self._decay is None or isinstance(self._decay, float):
             return self._decay
-        return self.layout.local(tf.constant(self._decay), replica)
+        return self.layout.local(self._decay, replica)
 
     def clipped(self, local, replica):
         """The inner optimizer's clipping, on the summed gradient's slices."""
@@ -615,7 +613,7 @@ class _Shards:
         if base.clipnorm:
             if self._segments is None:
                 self._segments = self.layout.segment_ids()
-            segments = self.layout.local(tf.constant(self._segments), replica)
+            segments = self.layout.local(self._segments, replica)
             norms = sharding.per_variable_norms(self.layout, local, segments)
             factors = base.clipnorm / tf.maximum(norms, base.clipnorm)
             local = local * tf.cast(tf.gather(factors, segments), local.dtype)

@@ -6,6 +6,8 @@ batch): weights after about 100 updates to 1e-6 (float32) or 1e-3 (mixed
 precision).
 """
 
+import math
+
 import keras
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from sharding_workers import INNER
 
 import keras_dist
 from keras_dist.callbacks import AutoScaleBatch, BackupAndRestore
+from keras_dist.core.sharding import ShardLayout
 from keras_dist.testing import run_workers
 
 EXAMPLES = 192  # 12 updates of 16 per epoch: 108 updates in 9 epochs
@@ -399,3 +402,33 @@ def test_auto_scale_batch_refuses_stage_two(mirrored):
         model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
     with pytest.raises(ValueError, match=r"GradientAccumulationOptimizer\(Sharded"):
         model.fit(x, y, epochs=1, callbacks=[AutoScaleBatch(4)], verbose=0)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 5, 20])
+def test_layout_reads_a_replicas_slice_without_the_whole_vector(replicas):
+    # `local_of` reads only the parts of the variables a slice covers (the
+    # update's refresh of the slice from the weights); it must equal the
+    # slice of the whole flattened vector, padding included, whether the
+    # replica id is known when tracing or not.
+    shapes = [(3, 2), (5,), (1,), (2, 2)]
+    layout = ShardLayout(shapes, replicas)
+    tensors = [
+        tf.reshape(tf.range(start, start + math.prod(shape), dtype=tf.float64), shape)
+        for start, shape in zip([0, 100, 200, 300], shapes)
+    ]
+    flat = layout.flatten(tensors, tf.float32)
+    dynamic = tf.function(
+        lambda r: layout.local_of(tensors, r, tf.float32),
+        input_signature=[tf.TensorSpec([], tf.int32)],
+    )
+    numbers = np.arange(layout.padded, dtype=np.int32)
+    for replica in range(replicas):
+        expected = layout.local(flat, replica).numpy()
+        static = layout.local_of(tensors, tf.constant(replica), tf.float32)
+        assert static.dtype == tf.float32
+        np.testing.assert_array_equal(static.numpy(), expected)
+        np.testing.assert_array_equal(dynamic(replica).numpy(), expected)
+        np.testing.assert_array_equal(
+            layout.local(numbers, tf.constant(replica)).numpy(),
+            numbers[replica * layout.slice_size :][: layout.slice_size],
+        )

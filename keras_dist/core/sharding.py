@@ -89,8 +89,44 @@ class ShardLayout:
         return [tf.reshape(part, shape) for part, shape in zip(parts, self.shapes)]
 
     def local(self, flat, replica_id):
-        """Replica `replica_id`'s slice of a flat vector (or array)."""
+        """Replica `replica_id`'s slice of a flat vector (or array).
+
+        A NumPy array and a replica id known when tracing (every strategy's
+        replica context gives a constant) make a slice-sized constant: the
+        whole array never enters the graph.
+        """
+        static = tf.get_static_value(replica_id)
+        if isinstance(flat, np.ndarray) and static is not None:
+            start = int(static) * self.slice_size
+            return tf.constant(flat[start : start + self.slice_size])
         return tf.slice(flat, [replica_id * self.slice_size], [self.slice_size])
+
+    def local_of(self, tensors, replica_id, dtype=None):
+        """`local(flatten(tensors, dtype), replica_id)`, read slice-sized.
+
+        With a replica id known when tracing, only the parts of the
+        variables the slice covers are read and concatenated (`S` elements
+        where `flatten` makes `N*S`): what a replica's update needs of the
+        model's weights every step.
+        """
+        static = tf.get_static_value(replica_id)
+        if static is None:
+            return self.local(self.flatten(tensors, dtype), replica_id)
+        start = int(static) * self.slice_size
+        end = start + self.slice_size
+        parts = []
+        for tensor, offset, size in zip(tensors, self.offsets, self.sizes):
+            low, high = max(start, offset), min(end, offset + size)
+            if low >= high:
+                continue
+            flat = tf.reshape(tensor, [-1])[low - offset : high - offset]
+            parts.append(tf.cast(flat, dtype) if dtype else flat)
+        covered = sum(int(part.shape[0]) for part in parts)
+        if covered < self.slice_size:
+            parts.append(
+                tf.zeros([self.slice_size - covered], dtype or tensors[0].dtype)
+            )
+        return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
 
     def segment_ids(self) -> np.ndarray:
         """The variable index of every flat element (`len(shapes)`: padding).
