@@ -45,6 +45,7 @@ LAYERS = [
             "keras_dist._apply",
             "keras_dist._wrapper",
             "keras_dist.optimizers",
+            "keras_dist._shards",
             "keras_dist.sharding",
             "keras_dist.schedules",
             "keras_dist._fit_data",
