@@ -9,11 +9,13 @@ show up in Ray's `Result`.
 
     pip install ".[ray]"                                # in the keras_dist clone
     python examples/ray_train.py                        # a local Ray, 2 workers
+    python examples/ray_train.py --max-failures 1 --backup-dir gs://bucket/run1
     python examples/ray_train.py --max-failures 1 --backup-dir /shared/backups
     RAY_ADDRESS=auto python examples/ray_train.py --workers 4   # a running cluster
 
 With `--max-failures N` Ray restarts the whole worker group when a worker
-dies, up to N times. With `--backup-dir` (a folder every Ray node can read)
+dies, up to N times. With `--backup-dir` (an object store URL such as
+`gs://bucket/run1`, the first choice, or a folder every Ray node can read)
 `keras_dist.callbacks.BackupAndRestore` makes the new group resume from the
 last backup (every epoch); without it the new group trains from the first
 epoch again, and the epochs done before the failure are lost time.
@@ -82,8 +84,9 @@ def main(argv=None):
     )
     parser.add_argument(
         "--backup-dir",
-        help="BackupAndRestore's folder, readable by every Ray node: a "
-        "restarted group resumes where the last backup was written",
+        help="BackupAndRestore's folder or object store URL (gs://...), "
+        "readable by every Ray node: a restarted group resumes where the last "
+        "backup was written",
     )
     args = parser.parse_args(argv)
 
@@ -106,11 +109,11 @@ def main(argv=None):
             "epochs": args.epochs,
             "hook": args.hook,
             "out": os.path.abspath(args.out) if args.out else None,
-            "backup_dir": os.path.abspath(args.backup_dir) if args.backup_dir else None,
+            "backup_dir": _absolute(args.backup_dir),
         },
         scaling_config=ScalingConfig(num_workers=args.workers),
         run_config=RunConfig(
-            storage_path=os.path.abspath(args.storage) if args.storage else None,
+            storage_path=_absolute(args.storage),
             failure_config=FailureConfig(max_failures=args.max_failures),
         ),
     )
@@ -123,6 +126,17 @@ def main(argv=None):
         with open(os.path.join(args.out, "reports.json"), "w") as handle:
             json.dump(reports, handle)
     return 0
+
+
+def _absolute(path):
+    """A local path made absolute (the workers start elsewhere); a URL as is.
+
+    `gs://bucket/run1` (or `s3://`, `hdfs://`): an object store every Ray
+    node reaches, the first choice on a cluster (docs/guides/clusters.md).
+    """
+    if not path or "://" in path:
+        return path or None
+    return os.path.abspath(path)
 
 
 def _pythonpath():

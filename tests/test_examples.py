@@ -134,3 +134,22 @@ def test_custom_hook_example_compresses_and_error_feedback_converges():
     no_feedback = float(errors["Int8(error_feedback=False)"][2])
     # Error feedback: the error of the sum over 10 steps shrinks ~10x.
     assert many < one / 5 and many < no_feedback / 5, errors
+
+
+def test_ray_example_passes_object_store_urls_through(monkeypatch):
+    # The Ray workers start in other folders: a local --backup-dir/--storage
+    # is made absolute, an object store URL (the clusters guide's first
+    # choice) is not (os.path.abspath made gs://b/r into <cwd>/gs:/b/r).
+    monkeypatch.syspath_prepend(os.path.join(REPO_ROOT, "examples"))
+    # The example sets TF_CPP_MIN_LOG_LEVEL if unset: keep this process's.
+    level = os.environ.get("TF_CPP_MIN_LOG_LEVEL")
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", level or "0")
+    import ray_train
+
+    if level is None:
+        monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
+
+    assert ray_train._absolute("gs://bucket/run1") == "gs://bucket/run1"
+    assert ray_train._absolute("s3://bucket/run1") == "s3://bucket/run1"
+    assert ray_train._absolute("backups") == os.path.join(os.getcwd(), "backups")
+    assert ray_train._absolute(None) is None
