@@ -12,6 +12,7 @@ from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
 from keras_dist.core import collectives, topology
 from keras_dist.parameter_server import training as _parameter_server
+from keras_dist.trainer import logs as logs_lib
 
 
 class FunctionsMixin:
@@ -170,29 +171,40 @@ class FunctionsMixin:
 
         Values that are model metrics are recomputed from the metric state,
         which sums the state of every replica and worker; other values are
-        averaged over replicas.
+        averaged over replicas. Under several workers both come from one
+        all-reduce (`trainer.logs.one_collective`) where the metrics allow.
         """
         strategy = self.distribute_strategy
-        metrics = _flatten_logs(self.get_metrics_result())
+        multi_worker = tf_internal.is_multi_worker(strategy)
+        packed = logs_lib.one_collective(self, outputs) if multi_worker else None
+        if packed is None:
+            metrics, means = logs_lib.flatten_logs(self.get_metrics_result()), {}
+        else:
+            metrics, means = packed
 
         def reduce_value(value):
+            if id(value) in means:
+                return means[id(value)]
             if isinstance(value, tf.distribute.DistributedValues) or (
-                tf_internal.is_multi_worker(strategy) and tf.is_tensor(value)
+                multi_worker and tf.is_tensor(value)
             ):
                 return collectives.reduce_across(strategy, value, op="mean")
             return value
 
-        if isinstance(outputs, dict):
+        def logs_of(outputs):
+            if not isinstance(outputs, dict):
+                return keras.tree.map_structure(reduce_value, outputs)
             logs = {}
             for key, value in outputs.items():
                 if key in metrics:
                     logs[key] = metrics[key]
                 elif isinstance(value, dict):
-                    logs[key] = self._reduce_step_outputs(value)
+                    logs[key] = logs_of(value)
                 else:
                     logs[key] = reduce_value(value)
             return logs
-        return keras.tree.map_structure(reduce_value, outputs)
+
+        return logs_of(outputs)
 
 
 def _optionals_as_none(step_on_data):
@@ -209,16 +221,6 @@ def _optionals_as_none(step_on_data):
         return step_on_data(data)
 
     return step
-
-
-def _flatten_logs(logs):
-    flat = {}
-    for key, value in logs.items():
-        if isinstance(value, dict):
-            flat.update(_flatten_logs(value))
-        else:
-            flat[key] = value
-    return flat
 
 
 _warned = weakref.WeakSet()
