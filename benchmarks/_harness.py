@@ -675,7 +675,8 @@ def build_mlp(keras, keras_dist, width, hidden, hook, learning_rate):
 
 def private_backup_modules():
     """`keras_dist.backup.transfer` and `keras_dist.backup.store`:
-    `bench_backup.py` times `transfer.read_values` (the gather) and
+    `bench_backup.py` times `transfer.snapshot_values` (the gather),
+    `transfer.materialize` and
     `store.write` / `store.remove_all` (the write and the cleanup of a save)
     by wrapping them in these modules."""
     from keras_dist.backup import store, transfer

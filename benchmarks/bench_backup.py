@@ -20,23 +20,29 @@ measures:
 - step time: the wall time of `fit` divided by its batches; the median over
   rounds, its ratio to the median without the callback, and the median of
   each run's ratio to the run without the callback in the same round;
-- time per save: `keras_dist.backup.transfer.read_values` (the gather of every
-  variable's value, per-replica ones from each replica) and
-  `keras_dist.backup.store.write` (state.npz and manifest.json, fsync'd, then
-  `CURRENT` switched) are wrapped with `time.perf_counter()` in this
-  process, and so is the callback's whole save; the backup's size is that
-  of its `state.npz`.
+- time per save: `keras_dist.backup.transfer.snapshot_values` (the
+  snapshot of every variable's value on the step, per-replica ones from
+  each replica; "gather"), and `keras_dist.backup.transfer.materialize` plus
+  `keras_dist.backup.store.write` (the NumPy copies, state.npz and
+  manifest.json, fsync'd, then `CURRENT` switched; "write") are wrapped with
+  `time.perf_counter()` in this process, and so is the callback's whole
+  save on the step; the backup's size is that of its `state.npz`.
 
 Each save configuration runs on every storage of `--storages`: `disk` (a
 temporary folder under `--tmp-dir`: `os` calls, fsync, `os.replace`) and
 `ram` (TensorFlow's in-memory `ram://` file system, written through
 `tf.io.gfile` like an object store: the backup under its own prefix, then
-the pointer; no fsync, no rename), side by side.
+the pointer; no fsync, no rename), side by side, and in every write mode
+of `--write-modes`: `sync` (the write on the step) and `async`
+(`async_write=True`: the write on the callback's writer thread; the
+"whole save" is then the time the step was blocked: waiting for the
+previous write, and the gather).
 
 Usage:
 
     python benchmarks/bench_backup.py [--models digits mlp25m]
         [--save-freqs 1 10 100 epoch] [--storages disk ram]
+        [--write-modes sync async]
         [--out docs/benchmarks/backup.json]
 
 Prints a markdown table; writes the raw timings, the environment and the
@@ -47,6 +53,7 @@ matplotlib is importable (`--replot JSON` redraws it).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import statistics
@@ -63,6 +70,7 @@ ACCUMULATION_STEPS = 2
 MODELS = ("digits", "mlp25m")
 NO_CALLBACK = "none"
 STORAGES = ("disk", "ram")
+WRITE_MODES = ("sync", "async")
 MLP_WIDTHS = (1024, 4096, 4096, 1024)
 WARMUP_BATCHES = 3
 
@@ -124,6 +132,14 @@ def parse_args(argv=None):
         help="Where the backups go: a local folder (disk) and/or ram://.",
     )
     parser.add_argument(
+        "--write-modes",
+        nargs="+",
+        choices=WRITE_MODES,
+        default=["sync"],
+        help="Write each backup on the step (sync) and/or in the background "
+        "(async: BackupAndRestore(async_write=True)).",
+    )
+    parser.add_argument(
         "--tmp-dir",
         default=None,
         help="Where the temporary backup folders go (default: the system's).",
@@ -131,10 +147,11 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def label(save_freq, storage="disk"):
+def label(save_freq, storage="disk", mode="sync"):
     if save_freq is None:
         return NO_CALLBACK
-    return f"save_freq={save_freq}" + (" on ram://" if storage == "ram" else "")
+    text = f"save_freq={save_freq}" + (" on ram://" if storage == "ram" else "")
+    return text + (", async" if mode == "async" else "")
 
 
 @contextlib.contextmanager
@@ -159,26 +176,38 @@ class SaveTimer:
 
     def __init__(self, transfer_module, store_module):
         self.records = []
+        self._unwritten = collections.deque()
         self.cleanup_seconds = 0.0
         self._module = store_module
-        self._read_values = transfer_module.read_values
+        self._snapshot_values = transfer_module.snapshot_values
+        self._materialize = transfer_module.materialize
         self._write = store_module.write
         self._remove_all = store_module.remove_all
-        transfer_module.read_values = self._timed_read_values
+        transfer_module.snapshot_values = self._timed_snapshot_values
+        transfer_module.materialize = self._timed_materialize
         store_module.write = self._timed_write
         store_module.remove_all = self._timed_remove_all
 
-    def _timed_read_values(self, *args, **kwargs):
+    def _timed_snapshot_values(self, *args, **kwargs):
         start = time.perf_counter()
-        values = self._read_values(*args, **kwargs)
+        snapshot = self._snapshot_values(*args, **kwargs)
         self.records.append({"gather_s": time.perf_counter() - start})
+        # Writes run in the order of the saves, one at a time, and a
+        # background write can end after the next save's gather.
+        self._unwritten.append(self.records[-1])
+        return snapshot
+
+    def _timed_materialize(self, *args, **kwargs):
+        start = time.perf_counter()
+        values = self._materialize(*args, **kwargs)
+        self._unwritten[0]["write_s"] = time.perf_counter() - start
         return values
 
     def _timed_write(self, backup_dir, *args, **kwargs):
         start = time.perf_counter()
         name = self._write(backup_dir, *args, **kwargs)
-        record = self.records[-1]
-        record["write_s"] = time.perf_counter() - start
+        record = self._unwritten.popleft()
+        record["write_s"] += time.perf_counter() - start
         import tensorflow as tf
 
         state = self._module.files.join(backup_dir, name, self._module.STATE_FILE)
@@ -291,11 +320,16 @@ def run_model(tf, keras, keras_dist, np, name, args, strategy, timer):
         )
     callback_class = timed_callback_class(keras_dist)
 
-    def fit(save_freq, folder, steps=None):
+    def fit(save_freq, folder, steps=None, mode="sync"):
         callbacks = []
         if save_freq is not None:
             callbacks.append(
-                callback_class(folder, save_freq=save_freq, delete_checkpoint=True)
+                callback_class(
+                    folder,
+                    save_freq=save_freq,
+                    delete_checkpoint=True,
+                    async_write=mode == "async",
+                )
             )
         start = time.perf_counter()
         model.fit(
@@ -313,16 +347,17 @@ def run_model(tf, keras, keras_dist, np, name, args, strategy, timer):
         fit(1, os.path.join(folder, "backup"), WARMUP_BATCHES)
     timer.take()
 
-    configurations = [(None, "disk")] + [
-        (save_freq, storage)
+    configurations = [(None, "disk", "sync")] + [
+        (save_freq, storage, mode)
         for save_freq in args.save_freqs
         for storage in args.storages
+        for mode in args.write_modes
     ]
     runs = []
     for round_index in range(rounds):
-        for save_freq, storage in harness.alternate(configurations, round_index):
+        for save_freq, storage, mode in harness.alternate(configurations, round_index):
             with backup_folder(storage, args.tmp_dir) as folder:
-                seconds, callbacks = fit(save_freq, folder)
+                seconds, callbacks = fit(save_freq, folder, mode=mode)
             saves, cleanup = timer.take()
             whole = callbacks[0].save_seconds if callbacks else []
             for record, total in zip(saves, whole):
@@ -330,9 +365,10 @@ def run_model(tf, keras, keras_dist, np, name, args, strategy, timer):
             runs.append(
                 {
                     "round": round_index,
-                    "configuration": label(save_freq, storage),
+                    "configuration": label(save_freq, storage, mode),
                     "save_freq": save_freq,
                     "storage": storage if save_freq is not None else None,
+                    "write_mode": mode if save_freq is not None else None,
                     "batches": epochs * batches_per_epoch,
                     "fit_s": seconds,
                     "cleanup_s": cleanup,
@@ -341,7 +377,7 @@ def run_model(tf, keras, keras_dist, np, name, args, strategy, timer):
             )
             print(
                 f"  [{name}] round {round_index + 1}/{rounds} "
-                f"{label(save_freq, storage)}: "
+                f"{label(save_freq, storage, mode)}: "
                 f"{seconds * 1e3 / (epochs * batches_per_epoch):.1f} ms/batch, "
                 f"{len(saves)} saves",
                 file=sys.stderr,
@@ -414,7 +450,8 @@ def markdown_table(rows):
 
     header = ["model", "configuration", "batches per run", "saves per run"]
     header += ["ms/batch (median)", "ratio to none", "paired ratio", "gather ms"]
-    header += ["write ms", "whole save ms", "backup MB", "share of fit time in saves"]
+    header += ["write ms", "ms the step waits per save", "backup MB"]
+    header += ["share of fit time in saves"]
     cells = [
         [
             row["model"],

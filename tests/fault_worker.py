@@ -13,7 +13,8 @@ same processes (the uninterrupted references).
 (`KERAS_DIST_RESTART`) after its N-th batch: `kill` SIGKILLs worker 1,
 `term` sends SIGTERM to worker 1, `hang` makes worker 1 sleep (alive, but
 gone from the collectives), `save` SIGKILLs the chief inside its N-th backup
-(after the state file is written, before the switch to it).
+(after the state file is written, before the switch to it; with
+`--async-write` on the callback's writer thread).
 """
 
 import argparse
@@ -21,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -72,6 +74,7 @@ def main():
     parser.add_argument("--config", action="append", default=[])
     parser.add_argument("--hurt", action="append", default=[])
     parser.add_argument("--stock", action="store_true")
+    parser.add_argument("--async-write", action="store_true")
     args = parser.parse_args()
     attempt = os.environ.get("KERAS_DIST_RESTART", "0")
     hurts = [h.split(":") for h in args.hurt if h.split(":")[0] == attempt]
@@ -79,12 +82,12 @@ def main():
     if args.stock:
         return stock_callbacks(strategy, args.out, args.backup)
     for config in args.config or ["fp16"]:
-        train(strategy, config, args.out, args.backup, hurts)
+        train(strategy, config, args.out, args.backup, hurts, args.async_write)
     print("done", flush=True)
     return 0
 
 
-def train(strategy, config, out, backup, hurts):
+def train(strategy, config, out, backup, hurts, async_write=False):
     task = os.environ.get("KERAS_DIST_TASK", "")
     autoscale = config == "autoscale"
     epochs = 4 if autoscale else 3
@@ -108,7 +111,11 @@ def train(strategy, config, out, backup, hurts):
             loss="mse",
             metrics=["mae"],
         )
-    callbacks = [keras_dist.callbacks.BackupAndRestore(os.path.join(backup, config), 4)]
+    callbacks = [
+        keras_dist.callbacks.BackupAndRestore(
+            os.path.join(backup, config), 4, async_write=async_write
+        )
+    ]
     if autoscale:
         callbacks.append(
             keras_dist.callbacks.AutoScaleBatch(
@@ -165,7 +172,8 @@ def die_inside_backup(at):
 
     def replace_then_die(source, target):
         if os.path.basename(source).startswith(".partial-"):
-            print("killed inside the save", flush=True)
+            thread = threading.current_thread().name
+            print(f"killed inside the save on {thread}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return replace(source, target)
 

@@ -137,6 +137,29 @@ def test_kill_inside_a_save_then_sigterm_resume_exactly(tmp_path, references):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+def test_kill_inside_a_background_write_resumes_exactly(tmp_path, references):
+    # `async_write=True`: the chief's 2nd backup is written on its writer
+    # thread while training goes on, and the process is SIGKILLed there
+    # (state file written, not switched to). The restart resumes from the
+    # 1st backup and ends with the uninterrupted run's weights.
+    status, output, _ = launch(
+        tmp_path,
+        "--config",
+        "fp16",
+        "--async-write",
+        "--hurt",
+        "0:save:2",
+        max_restarts=1,
+    )
+    assert status == 0, output[-3000:]
+    assert "killed inside the save on keras_dist-backup-writer" in output
+    assert "restart 1 of 1: worker:0 failed with exit code 137" in output
+    assert "fp16/backup-00000001 at epoch 0, after 4 batches" in output
+    assert_same_run(tmp_path / "out" / "fp16", references / "fp16")
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_sigkill_mid_accumulation_powersgd_resumes_exactly(tmp_path, references):
     # Backups every 4 batches; the kill after batch 7 is between two of them
     # and in the middle of an accumulation cycle (7 is odd).
@@ -322,13 +345,20 @@ def make_model(
     return model
 
 
-def fit_until(model, backup, inputs, crash_at=None, extra=(), **kwargs):
-    callbacks = [BackupAndRestore(backup, save_freq=3), *extra]
+def fit_until(
+    model, backup, inputs, crash_at=None, extra=(), async_write=False, **kwargs
+):
+    backup = BackupAndRestore(backup, save_freq=3, async_write=async_write)
+    callbacks = [backup, *extra]
     if crash_at:
         callbacks.append(Boom(crash_at))
     try:
         history = model.fit(inputs, epochs=3, callbacks=callbacks, verbose=0, **kwargs)
     except KeyboardInterrupt:
+        # A crashed process finishes its background write before it exits
+        # (a thread that is not a daemon); here the next run is in the same
+        # process, so wait for it as the exit would.
+        backup._writer.wait()
         return None
     return history.history
 
@@ -360,16 +390,25 @@ def backup_dir(request, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("pipeline", "hook", "crash_at", "steps_per_execution"),
+    ("pipeline", "hook", "crash_at", "steps_per_execution", "async_write"),
     [
-        ("epochs", "fp16", 11, 1),
-        ("epochs", "powersgd", 8, 1),
-        ("stream", "fp16", 11, 1),
-        ("stream", "powersgd", 5, 2),
+        ("epochs", "fp16", 11, 1, False),
+        ("epochs", "powersgd", 8, 1, False),
+        ("stream", "fp16", 11, 1, False),
+        ("stream", "powersgd", 5, 2, False),
+        ("epochs", "fp16", 11, 1, True),
+        ("stream", "powersgd", 5, 2, True),
     ],
 )
 def test_resume_is_exact_on_replicas(
-    mirrored, tmp_path, backup_dir, pipeline, hook, crash_at, steps_per_execution
+    mirrored,
+    tmp_path,
+    backup_dir,
+    pipeline,
+    hook,
+    crash_at,
+    steps_per_execution,
+    async_write,
 ):
     strategy = mirrored(2)
     x, y = data()
@@ -379,7 +418,9 @@ def test_resume_is_exact_on_replicas(
         # dataset object read again reshuffles (its seed generator moved on).
         inputs, kwargs = PIPELINES[pipeline](x, y)
         model = make_model(strategy, hook, steps_per_execution=steps_per_execution)
-        return model, fit_until(model, folder, inputs, crash_at, **kwargs)
+        return model, fit_until(
+            model, folder, inputs, crash_at, async_write=async_write, **kwargs
+        )
 
     reference, expected = run(str(tmp_path / "r"))
     assert run(backup_dir, crash_at)[1] is None
@@ -501,6 +542,8 @@ def test_backup_and_restore_arguments():
         BackupAndRestore("/tmp/x", save_freq="batch")
     with pytest.raises(TypeError, match="delete_checkpoint"):
         BackupAndRestore("/tmp/x", delete_checkpoint="yes")
+    with pytest.raises(TypeError, match="async_write"):
+        BackupAndRestore("/tmp/x", async_write=1)
 
 
 def test_resume_is_exact_without_a_strategy(tmp_path):
@@ -611,8 +654,12 @@ def test_a_changed_batch_size_is_refused_naming_both(
         fit_until(make_model(strategy), str(tmp_path / "b"), inputs)
 
 
-def test_a_full_disk_stops_fit_with_the_room_needed_and_no_partial_left(tmp_path):
+@pytest.mark.parametrize("async_write", [False, True], ids=["sync", "async"])
+def test_a_full_disk_stops_fit_with_the_room_needed_and_no_partial_left(
+    tmp_path, async_write
+):
     # Issue 31 W3, on a real 64 KiB tmpfs: the first backup does not fit.
+    # Written in the background, the error stops `fit` at the next batch.
     from test_backup_store import tmpfs
 
     with tmpfs(tmp_path / "disk", "64k") as disk:
@@ -626,7 +673,9 @@ def test_a_full_disk_stops_fit_with_the_room_needed_and_no_partial_left(tmp_path
                 x,
                 np.zeros((32, 4000), "float32"),
                 batch_size=16,
-                callbacks=[BackupAndRestore(folder, save_freq=1)],
+                callbacks=[
+                    BackupAndRestore(folder, save_freq=1, async_write=async_write)
+                ],
                 verbose=0,
             )
         assert raised.value.errno == 28

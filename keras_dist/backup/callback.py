@@ -19,6 +19,7 @@ from keras_dist.backup import files, store, transfer
 from keras_dist.backup import lock as lock_lib
 from keras_dist.backup import manifest as manifest_lib
 from keras_dist.backup import resume as resume_lib
+from keras_dist.backup.writer import BackgroundWriter
 from keras_dist.core import collectives, topology
 from keras_dist.launcher.process import EXIT_PREEMPTED
 
@@ -70,6 +71,16 @@ class BackupAndRestore(keras.callbacks.Callback):
     silently. A changed `accumulation_steps` that can carry the cycle is
     used, with one warning line (`manifest.accumulation_steps_on_resume`).
 
+    Writing in the background (`async_write=True`): the state is gathered
+    on the step (a consistent snapshot) and written on a thread while
+    training goes on, so a save blocks the step only for the gather, as
+    Orbax's `AsyncCheckpointer` and PyTorch's `async_save` do. One write runs
+    at a time (the next save waits for it before gathering: at most one
+    extra copy of the state in memory); a failed write raises in `fit` at
+    the next batch; `fit` waits for the last write before it returns, and a
+    preempted worker before it exits. A process killed during a background
+    write leaves the previous backup current, as during any write.
+
     Preemption: `SIGTERM` to any worker while `fit` runs makes every worker
     write a backup at the next step boundary (the workers agree on it with a
     one-number all-reduce per step) and exit with status 75
@@ -114,10 +125,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             Defaults to `"epoch"`.
         delete_checkpoint: Bool. Whether to delete the backups when `fit`
             ends normally. Defaults to `True`.
+        async_write: Bool. Whether to write each backup on a background
+            thread (see "Writing in the background"). Defaults to `False`.
 
     Raises:
         TypeError: `backup_dir` is not a string or path, `save_freq` not an
-            int, or `delete_checkpoint` not a bool.
+            int, or `delete_checkpoint` or `async_write` not a bool.
         ValueError: `backup_dir` is empty, or `save_freq` is neither
             `"epoch"` nor >= 1. In `fit`: a backup this run cannot continue
             exactly (see above).
@@ -156,7 +169,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     )
     """Why `fit` under parameter servers refuses this callback."""
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+    def __init__(
+        self, backup_dir, save_freq="epoch", delete_checkpoint=True, async_write=False
+    ):
         super().__init__()
         if not isinstance(backup_dir, (str, os.PathLike)):
             raise TypeError(
@@ -176,6 +191,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         self.save_freq = save_freq
         self.delete_checkpoint = check_bool("delete_checkpoint", delete_checkpoint)
+        self.async_write = check_bool("async_write", async_write)
+        self._writer = BackgroundWriter()
         self._resume: resume_lib.Resume | None = None
         self._epoch_iterator = None
         self._strategy = None
@@ -256,6 +273,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._batches_in_epoch = 0
 
     def on_train_batch_begin(self, batch, logs=None):
+        self._writer.raise_if_failed()
         self._flush()
         self._batch_begin = batch
         resume = self._resume
@@ -292,15 +310,20 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._flush()
 
     def on_train_end(self, logs=None):
-        if self._pending is not None and (
-            self._pending["preempted"] is not None or not self.delete_checkpoint
-        ):
-            self._flush()
-        self._pending = None
-        self._end_fit()
-        owner, self._owner = self._owner, None
-        if owner is None:
-            return
+        try:
+            if self._pending is not None and (
+                self._pending["preempted"] is not None or not self.delete_checkpoint
+            ):
+                self._flush()
+            self._pending = None
+            self._writer.wait()
+        finally:
+            self._end_fit()
+            owner, self._owner = self._owner, None
+            if owner is not None:
+                self._end_ownership(owner)
+
+    def _end_ownership(self, owner):
         if self.delete_checkpoint:
             store.remove_all(self.backup_dir, owner=owner)
         else:
@@ -349,6 +372,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         preempted = pending.pop("preempted")
         self._save(**pending)
         if preempted is not None:
+            self._writer.wait()
             logger.warning(
                 "BackupAndRestore: preempted (SIGTERM); backup written at epoch "
                 "%d, batch %d. Exiting with status %d for a restart.",
@@ -362,8 +386,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _save(self, epoch, calls, position, batch_size, logs):
         """Writes a backup (chief) after gathering per-replica state (all)."""
         model = self.model
+        # One write at a time: the previous one ends before this gather.
+        self._writer.wait()
         inventory = state.training_state(model)
-        values = transfer.read_values(inventory, self._strategy)
+        # Tensors read now (the steps after it do not change them); the
+        # NumPy copies are made with the write.
+        snapshot = transfer.snapshot_values(inventory, self._strategy)
         if not self._is_chief():
             return
         replicas = self._strategy.num_replicas_in_sync
@@ -383,14 +411,27 @@ class BackupAndRestore(keras.callbacks.Callback):
             "workers": topology.count_workers(self._strategy),
             "logs": logs,
             "callbacks": inventory.provider_states(),
-            "variables": manifest_lib.describe(inventory, values),
         }
-        name = store.write(self.backup_dir, values, manifest, owner=self._owner)
+        if self.async_write:
+            logger.info(
+                "BackupAndRestore: writing the backup of epoch %d, %d calls into "
+                "it, in the background.",
+                epoch,
+                calls,
+            )
+            self._writer.submit(self._write, inventory, snapshot, manifest, self._owner)
+        else:
+            self._write(inventory, snapshot, manifest, self._owner)
+
+    def _write(self, inventory, snapshot, manifest, owner):
+        values = transfer.materialize(snapshot)
+        manifest = dict(manifest, variables=manifest_lib.describe(inventory, values))
+        name = store.write(self.backup_dir, values, manifest, owner=owner)
         logger.info(
             "BackupAndRestore: wrote %s (epoch %d, %d calls into it).",
             files.join(self.backup_dir, name),
-            epoch,
-            calls,
+            manifest["epoch"],
+            manifest["calls"],
         )
 
     def _restore(self, resume: resume_lib.Resume):

@@ -25,14 +25,38 @@ def read_values(inventory, strategy) -> list[np.ndarray]:
     On several workers this is a collective (one all-gather): every worker
     must call it at the same point.
     """
-    values: list[np.ndarray | None] = [None] * len(inventory)
+    return materialize(snapshot_values(inventory, strategy))
+
+
+class _Stacked(tuple):
+    """One replica's tensors of a per-replica entry, stacked by `materialize`."""
+
+
+def snapshot_values(inventory, strategy) -> list:
+    """`read_values` without the copies: what each entry holds now.
+
+    A variable read gives a tensor that the training steps after it do not
+    change (TensorFlow copies a variable's buffer on its next update while
+    a read of it is alive), in time independent of its size. `materialize`
+    turns the snapshot into NumPy arrays later, on another thread if need
+    be. Per-replica entries on several workers are gathered here (a
+    collective every worker must call at the same point).
+
+    Returns:
+        A list, one item per entry, for `materialize`.
+    """
+    values: list = [None] * len(inventory)
+    several_workers = strategy.num_replicas_in_sync != worker_layout(strategy)[1]
     local_parts = []  # (index, [array per local replica])
     for index, entry in enumerate(inventory):
-        if entry.per_replica:
-            components = strategy.experimental_local_results(entry.variable)
+        if not entry.per_replica:
+            values[index] = _read(entry.variable)
+            continue
+        components = strategy.experimental_local_results(entry.variable)
+        if several_workers:
             local_parts.append((index, [np.asarray(c.numpy()) for c in components]))
         else:
-            values[index] = np.asarray(entry.variable.numpy())
+            values[index] = _Stacked(_read(c) for c in components)
     if local_parts:
         for index, stacked in zip(
             (i for i, _ in local_parts),
@@ -40,6 +64,22 @@ def read_values(inventory, strategy) -> list[np.ndarray]:
         ):
             values[index] = stacked
     return values
+
+
+def materialize(snapshot: list) -> list[np.ndarray]:
+    """The NumPy arrays of a `snapshot_values` result (copies)."""
+    return [
+        np.stack([np.asarray(part) for part in value])
+        if isinstance(value, _Stacked)
+        else np.asarray(value)
+        for value in snapshot
+    ]
+
+
+def _read(variable):
+    # `read_value` of a mirrored variable in cross-replica context reads
+    # the first replica's copy, as `numpy()` does.
+    return variable.read_value()
 
 
 def gather_per_replica(parts: list[list[np.ndarray]], strategy) -> list[np.ndarray]:

@@ -34,7 +34,8 @@ def one_collective(model, outputs):
     Returns:
         `(metrics, means)`: the flattened results of `model.metrics` as a
         cross-replica read gives them, and a dict from `id(value)` to the
-        mean over replicas of every floating tensor in `outputs`; or `None`
+        mean over replicas of every floating tensor of a static shape in
+        `outputs` (the caller reduces any other itself); or `None`
         when some state cannot be read this way (the caller reads it as
         Keras does): a metric variable that is not per replica, not
         floating, or aggregated otherwise than by sum or mean, or a
@@ -47,12 +48,7 @@ def one_collective(model, outputs):
     if not all(_packable(variable) for variable in variables):
         return None
     strategy = model.distribute_strategy
-    leaves = [
-        value
-        for value in tf.nest.flatten(outputs)
-        if (tf.is_tensor(value) or isinstance(value, tf.distribute.DistributedValues))
-        and strategy.experimental_local_results(value)[0].dtype.is_floating
-    ]
+    leaves = [value for value in tf.nest.flatten(outputs) if _packable_value(value)]
     collectives.own(strategy)
 
     def local_sums(leaves):
@@ -82,6 +78,17 @@ def one_collective(model, outputs):
         else:
             results[metric.name] = result
     return flatten_logs(results), means
+
+
+def _packable_value(value) -> bool:
+    """A floating tensor of a static shape (or per-replica ones)."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = value.values[0]
+    return (
+        tf.is_tensor(value)
+        and value.dtype.is_floating
+        and value.shape.is_fully_defined()
+    )
 
 
 def _mean(total, replicas):
