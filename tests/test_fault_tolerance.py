@@ -436,6 +436,31 @@ def test_resume_is_exact_on_replicas(
     assert not _files.exists(backup_dir)
 
 
+def test_a_fit_after_a_crash_finishes_its_background_write_first(mirrored, tmp_path):
+    # A notebook: `fit` crashes while a background write may still run, and
+    # the next cell fits a fresh model with the same callback object. It
+    # waits for that write, then resumes exactly from the newest backup.
+    strategy = mirrored(2)
+    x, y = data()
+    inputs, _ = PIPELINES["epochs"](x, y)
+    reference = make_model(strategy)
+    expected = fit_until(reference, str(tmp_path / "r"), inputs)
+    backup = BackupAndRestore(str(tmp_path / "b"), save_freq=3, async_write=True)
+    with pytest.raises(KeyboardInterrupt):
+        make_model(strategy).fit(
+            inputs, epochs=3, callbacks=[backup, Boom(11)], verbose=0
+        )
+    resumed = make_model(strategy)
+    history = resumed.fit(inputs, epochs=3, callbacks=[backup], verbose=0).history
+    # Resumed in the second epoch (6 batches each), not started over.
+    assert len(history["loss"]) == 2
+    for a, b in zip(resumed.weights, reference.weights, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)
+    assert history["loss"] == pytest.approx(
+        expected["loss"][-len(history["loss"]) :], rel=1e-6
+    )
+
+
 def test_plain_keras_model_resumes_exactly(mirrored, tmp_path):
     strategy = mirrored(2)
     x, y = data()

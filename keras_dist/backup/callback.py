@@ -211,6 +211,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     # --- fit hooks -------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        self._finish_previous_write()
         model = self.model
         self._strategy = model.distribute_strategy
         self._fit = state.session(model)
@@ -242,6 +243,22 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._owner = None
             raise
         self._install_sigterm_handler()
+
+    def _finish_previous_write(self):
+        """Waits for a write a failed `fit` left running; warns if it failed.
+
+        The new `fit` reads the newest complete backup after it: the write
+        either completed (and is read) or left the previous one current.
+        """
+        try:
+            self._writer.wait()
+        except Exception as error:
+            logger.warning(
+                "BackupAndRestore: the background write of the previous fit "
+                "failed (%s: %s); resuming from the newest complete backup.",
+                type(error).__name__,
+                error,
+            )
 
     def _begin_resume(self, model):
         """Reads the newest backup, if any, and sets `fit` up to resume from it."""
