@@ -391,15 +391,10 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             wire_dtype=hook.wire_dtype_for(flat.dtype),
             range_checked=hook.range_checked(flat.dtype),
         )
-        if overflowed is None or "overflow_steps" not in hook.state_names:
+        if overflowed is None:
             return local
-        count = tf.cast(overflowed, tf.int64)
-        updates = [
-            hook.state("overflowed").assign(count),
-            hook.state("overflow_steps").assign_add(count),
-        ]
-        with tf.control_dependencies(updates):
-            return tf.identity(local)
+        (local,) = hook.count_overflow(overflowed, [local])
+        return local
 
     def _update(self, local, non_finite, log_skips):
         """Updates this replica's slice with its summed gradient; gathers."""

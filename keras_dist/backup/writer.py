@@ -30,11 +30,6 @@ class BackgroundWriter:
         self._thread = None
         self._error = None
 
-    @property
-    def busy(self) -> bool:
-        """Whether a write is running."""
-        return self._thread is not None and self._thread.is_alive()
-
     def submit(self, write, *args, **kwargs) -> None:
         """Starts `write(*args, **kwargs)` on a thread, after the previous one.
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_dist.core.collectives import all_reduce_sum, replica_context
+from keras_dist.core.collectives import (
+    all_reduce_sum,
+    branch_across,
+    replica_context,
+)
 from keras_dist.core.hooks import (
     DEFAULT_BUCKET_BYTES,
     AllReduceHook,
@@ -88,8 +92,6 @@ class _CastCompression(AllReduceHook):
             )
         )
 
-        # The gradients go through `merge_call`'s arguments, not this
-        # closure: `choose` runs once, with one replica's closure.
         def resend(gradients, result):
             result = list(result)
             full = all_reduce_sum([gradients[i] for i in checked], self.bucket_bytes)
@@ -97,34 +99,38 @@ class _CastCompression(AllReduceHook):
                 result[i] = value
             return result
 
-        # A collective inside a replica-context `tf.cond` cannot be traced
-        # under MirroredStrategy, so the branch is taken in cross-replica
-        # context (as in `PowerSGD`). Every replica saw the same sums, so
-        # replica 0's flag is every replica's.
-        def choose(strategy, overflowed, gradients, result):
-            def full():
-                return strategy.extended.call_for_each_replica(
-                    resend, args=(gradients, result)
-                )
-
-            def kept():
-                return strategy.extended.call_for_each_replica(
-                    lambda r: [tf.identity(t) for t in r], args=(result,)
-                )
-
-            flag = strategy.experimental_local_results(overflowed)[0]
-            return tf.cond(flag, full, kept)
-
-        result = list(
-            replica_context().merge_call(choose, args=(overflowed, gradients, result))
+        # Every replica saw the same sums, so replica 0's flag is every
+        # replica's.
+        result = branch_across(
+            overflowed,
+            resend,
+            lambda _, result: [tf.identity(t) for t in result],
+            (gradients, result),
         )
+        return self.count_overflow(overflowed, list(result))
+
+    def count_overflow(self, overflowed, values) -> list:
+        """Counts a step sent again at full precision; returns `values` after.
+
+        Args:
+            overflowed: Boolean scalar tensor, the same on every replica.
+            values: List of tensors the counters' updates must precede
+                (what the step goes on with).
+
+        Returns:
+            `values`, each read after `overflowed` and `overflow_steps` are
+            updated (unchanged when the hook keeps no counters: no gradient
+            of a dtype that can overflow).
+        """
+        if "overflow_steps" not in self.state_names:
+            return values
         count = tf.cast(overflowed, tf.int64)
         updates = [
             self.state("overflowed").assign(count),
             self.state("overflow_steps").assign_add(count),
         ]
         with tf.control_dependencies(updates):
-            return [tf.identity(r) for r in result]
+            return [tf.identity(value) for value in values]
 
     def wire_dtype_for(self, dtype):
         """The dtype `dtype` travels in, or `None` for no compression."""

@@ -326,6 +326,38 @@ def reduce_scatter(flat, sum_dtype=None):
 # --- Cross-replica context -------------------------------------------------
 
 
+def branch_across(flag, if_true, if_false, args):
+    """`tf.cond(flag, ...)` whose branches issue collectives, per replica.
+
+    A collective inside a replica-context `tf.cond` cannot be traced under
+    `MirroredStrategy`, so the branch is taken in cross-replica context
+    through one `merge_call`, and the chosen branch runs on every replica.
+    Replica context.
+
+    Args:
+        flag: Boolean scalar tensor, the same on every replica (replica 0's
+            decides).
+        if_true: Callable, `if_true(*args)` on each replica when `flag`.
+        if_false: Callable, `if_false(*args)` on each replica otherwise.
+            Both return the same structure.
+        args: Tuple of tensors the branches take. They go through
+            `merge_call`'s arguments, not the branches' closures: the
+            cross-replica function runs once, with one replica's closure.
+
+    Returns:
+        This replica's result of the chosen branch.
+    """
+
+    def choose(strategy, flag, *args):
+        def run(branch):
+            return lambda: strategy.extended.call_for_each_replica(branch, args=args)
+
+        flag = strategy.experimental_local_results(flag)[0]
+        return tf.cond(flag, run(if_true), run(if_false))
+
+    return replica_context().merge_call(choose, args=(flag, *args))
+
+
 def reduce_across(strategy, value, op="sum"):
     """`strategy.reduce(op, value, axis=None)` with the keys owned.
 

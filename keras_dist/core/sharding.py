@@ -178,24 +178,11 @@ def reduce_to_owners(layout: ShardLayout, flat, wire_dtype=None, range_checked=F
         return local, None
     lost = tf.math.is_finite(flat) & ~tf.math.is_finite(sent)
     overflowed = collectives.all_reduce(tf.reduce_sum(tf.cast(lost, tf.int32))) > 0
-
-    # A collective inside a replica-context `tf.cond` cannot be traced under
-    # MirroredStrategy: the branch is taken in cross-replica context, as the
-    # all-reduce hooks do (`core.casts`). Every replica has the same flag.
-    def choose(strategy, overflowed, flat, local):
-        def full():
-            return strategy.extended.call_for_each_replica(
-                collectives.reduce_scatter, args=(flat,)
-            )
-
-        def kept():
-            return strategy.extended.call_for_each_replica(tf.identity, args=(local,))
-
-        flag = strategy.experimental_local_results(overflowed)[0]
-        return tf.cond(flag, full, kept)
-
-    local = collectives.replica_context().merge_call(
-        choose, args=(overflowed, flat, local)
+    local = collectives.branch_across(
+        overflowed,
+        lambda flat, _: collectives.reduce_scatter(flat),
+        lambda _, local: tf.identity(local),
+        (flat, local),
     )
     return local, overflowed
 
