@@ -44,6 +44,7 @@ import functools
 import importlib.util
 import logging
 import os
+import weakref
 
 import tensorflow as tf
 
@@ -517,11 +518,12 @@ def _guard_stock_pruning_callback() -> None:
     accumulating `DistributedOptimizer` is made and tfmot is installed: the
     callback's `on_train_begin` raises, naming `UpdatePruningStep` here.
     """
-    if importlib.util.find_spec("tensorflow_model_optimization") is None:
+    if (
+        _pruning_guard
+        or importlib.util.find_spec("tensorflow_model_optimization") is None
+    ):
         return
     stock = import_tfmot().sparsity.keras.UpdatePruningStep
-    if getattr(stock, "_keras_dist_guarded", False):
-        return
     on_train_begin = stock.on_train_begin
 
     def guarded_on_train_begin(self, logs=None):
@@ -529,7 +531,7 @@ def _guard_stock_pruning_callback() -> None:
         if (
             isinstance(optimizer, _DistributedMixin)
             and optimizer.accumulation_steps > 1
-            and not getattr(self, "_keras_dist_counts_updates", False)
+            and self not in _counting_updates
         ):
             raise ValueError(
                 "tfmot.sparsity.keras.UpdatePruningStep advances the pruning "
@@ -544,7 +546,13 @@ def _guard_stock_pruning_callback() -> None:
         return on_train_begin(self, logs)
 
     stock.on_train_begin = guarded_on_train_begin
-    stock._keras_dist_guarded = True
+    _pruning_guard.append(guarded_on_train_begin)
+
+
+# The guard, once installed (one per process), and the stock callbacks that
+# `UpdatePruningStep` drives once per update: the guard lets them through.
+_pruning_guard: list = []
+_counting_updates: weakref.WeakSet = weakref.WeakSet()
 
 
 class UpdatePruningStep(tf_keras.callbacks.Callback):
@@ -566,7 +574,7 @@ class UpdatePruningStep(tf_keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
         self._inner = import_tfmot().sparsity.keras.UpdatePruningStep()
-        self._inner._keras_dist_counts_updates = True
+        _counting_updates.add(self._inner)
 
     def set_model(self, model):
         super().set_model(model)
