@@ -563,6 +563,9 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         multiplier = saved.pop("multiplier")
         for key, value in saved.items():
             setattr(fit, key, value)
+        if fit.accumulator is not None and fit.accumulator.built:
+            # An elastic resume may have set another (keras_dist.backup.elastic).
+            fit.accumulation_steps = int(fit.accumulator.accumulation_steps)
         if "controller" in state and fit.controller is not None:
             for key, value in state["controller"].items():
                 setattr(fit.controller, key, value)

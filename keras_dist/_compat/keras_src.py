@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from keras_dist._backend import check_backend
+from keras_dist._compat import tf_internal as _tf_internal
 
 # The versions every touch below was verified against, and the policy for
 # others, live in `_versions.py` (checked at `import keras_dist`).
@@ -360,6 +361,24 @@ def next_epoch_starts_fresh(epoch_iterator) -> bool:
         epoch_iterator.steps_per_epoch is None
         or epoch_iterator._current_iterator is None
     )
+
+
+def epoch_iterator_input(epoch_iterator) -> tuple[str, int | None]:
+    """What `fit` reads (`"arrays"`, `"tf.data"`, `"PyDataset"` or the
+    adapter's name) and its batch size, the global batch of one step
+    (`None` when it cannot be told without reading the data)."""
+    adapter = epoch_iterator.data_adapter
+    name = type(adapter).__name__
+    if name == "ArrayDataAdapter":
+        return "arrays", int(adapter.batch_size)
+    if name == "TFDatasetAdapter":
+        dataset = adapter.get_tf_dataset()
+        if not isinstance(dataset, tf.data.Dataset):
+            return "a distributed dataset", None
+        return "tf.data", _tf_internal.dataset_batch_size(dataset)
+    if name == "PyDatasetAdapter":
+        return "PyDataset", None
+    return name, None
 
 
 def build_from_epoch_iterator(model, epoch_iterator) -> None:

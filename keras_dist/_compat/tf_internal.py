@@ -174,3 +174,42 @@ def checkpoint_through(variable, serialize, restore) -> None:
 
     variable._serialize_to_tensors = serialize_to_tensors
     variable._restore_from_tensors = restore_from_tensors
+
+
+# --- The batch size of a `tf.data` pipeline --------------------------------
+#
+# An elastic resume (`keras_dist.backup.elastic`) counts the samples of the
+# global stream; it must know how many one batch of the new run's dataset
+# holds. The element spec says so only with `drop_remainder=True`, and
+# reading an element would move a reshuffling dataset's seed generator on
+# (the real run would then see another order). The pipeline's Python
+# objects name their input (`_input_dataset`) and a batching step its size
+# (`_batch_size`), as tensorflow/python/data/ops/batch_op.py keeps them.
+
+_BATCHING_DATASETS = (
+    "_BatchDataset",
+    "_ParallelBatchDataset",
+    "_PaddedBatchDataset",
+)
+_UNBATCHING_DATASETS = ("_UnbatchDataset", "_RebatchDataset", "_LegacyRebatchDataset")
+
+
+def dataset_batch_size(dataset) -> int | None:
+    """The size of `dataset`'s outermost batching step, or `None`.
+
+    `None` when there is none, when it is not a constant, or when a step
+    after it unbatches or rebatches.
+    """
+    static = tf.nest.flatten(dataset.element_spec)[0].shape
+    if static.rank and static[0] is not None:
+        return int(static[0])
+    node = dataset
+    while node is not None:
+        name = type(node).__name__
+        if name in _UNBATCHING_DATASETS:
+            return None
+        if name in _BATCHING_DATASETS:
+            size = tf.get_static_value(getattr(node, "_batch_size", None))
+            return None if size is None else int(size)
+        node = getattr(node, "_input_dataset", None)
+    return None

@@ -15,12 +15,13 @@ from keras_dist import state
 from keras_dist._compat import keras_src as _compat
 from keras_dist._validation import check_bool, check_int
 from keras_dist._versions import VERSION
-from keras_dist.backup import files, store, transfer
+from keras_dist.backup import elastic, files, store, transfer
 from keras_dist.backup import lock as lock_lib
 from keras_dist.backup import manifest as manifest_lib
 from keras_dist.backup import resume as resume_lib
 from keras_dist.backup.writer import BackgroundWriter
 from keras_dist.core import collectives, topology
+from keras_dist.core.inventory import reshard
 from keras_dist.launcher.process import EXIT_PREEMPTED
 
 logger = logging.getLogger(__name__)
@@ -207,6 +208,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._owner = None
         self._configured_steps = None
         self._batches_in_epoch = 0
+        self._input = None
+        self._resize = None
 
     # --- fit hooks -------------------------------------------------------------------
 
@@ -219,6 +222,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         # `keras.Model` hands none to callbacks (see "Which input pipelines
         # resume exactly" above).
         self._epoch_iterator = self._fit.epoch_iterator
+        # What `fit` reads and its global batch, for the global data position.
+        self._input = (
+            None
+            if self._epoch_iterator is None
+            else _compat.epoch_iterator_input(self._epoch_iterator)
+        )
+        self._resize = None
         self._in_fit = True
         self._epoch = 0
         self._batches_since_save = 0
@@ -271,6 +281,18 @@ class BackupAndRestore(keras.callbacks.Callback):
                     f"{manifest['steps_per_execution']}; this model has "
                     f"steps_per_execution={model.steps_per_execution}. Compile "
                     "with the same value to resume."
+                )
+            if elastic.is_resize(manifest, self._strategy):
+                self._resize = elastic.plan(
+                    manifest, self._strategy, self._input, self._spx, path
+                )
+                # The position and calls in this run's batches; the saved
+                # per-worker batch size does not apply to this layout.
+                manifest = dict(
+                    manifest,
+                    position=self._resize.position,
+                    calls=self._resize.calls,
+                    batch_size=None,
                 )
             self._resume = resume_lib.Resume(
                 path=path, manifest=manifest, values=values
@@ -421,6 +443,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "position": int(position),
             "steps_per_execution": self._spx,
             "batch_size": batch_size,
+            "global_batch": None if self._input is None else self._input[1],
             "accumulation": resume_lib.accumulation_state(
                 model, self._configured_steps
             ),
@@ -455,12 +478,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         model = self.model
         _build_training_state(model)
         inventory = state.training_state(model)
+        resize = self._resize
         manifest_lib.check_compatible(
-            resume.manifest, inventory, self._strategy, resume.path
+            resume.manifest, inventory, self._strategy, resume.path, resize is not None
         )
         resume_lib.check_same_backup_everywhere(self._strategy, resume)
-        steps = self._accumulation_steps_on_resume(resume)
+        steps = None if resize else self._accumulation_steps_on_resume(resume)
         values = resume.values
+        if resize is not None:
+            replicas = self._strategy.num_replicas_in_sync
+            values = [reshard(e, v, replicas) for e, v in zip(inventory, values)]
         if resume.calls == 0:
             # Resumed at the start of an epoch: `fit` has just reset the
             # metrics; the backup's sums belong to the epoch before.
@@ -471,6 +498,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         transfer.assign_values(inventory, values, self._strategy)
         if steps is not None:
             resume_lib.accumulator_of(model).accumulation_steps = steps
+        if resize is not None:
+            elastic.apply(
+                model,
+                resize,
+                resume_lib.accumulator_of(model),
+                inventory.providers.get("AutoScaleBatch"),
+            )
         resume_lib.restore_provider_states(
             inventory.providers, resume.manifest.get("callbacks", {})
         )

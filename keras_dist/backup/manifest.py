@@ -44,11 +44,25 @@ def expected_entries(inventory, replicas: int) -> list[dict]:
     return entries
 
 
-def check_compatible(manifest: dict, inventory, strategy, where: str) -> None:
-    """Raises `BackupError` unless the backup was written by this setup."""
+def check_compatible(
+    manifest: dict, inventory, strategy, where: str, resize: bool = False
+) -> None:
+    """Raises `BackupError` unless the backup was written by this setup.
+
+    Args:
+        manifest: Dict. The backup's manifest.
+        inventory: This run's `StateInventory`.
+        strategy: This run's strategy.
+        where: String. The backup, for messages.
+        resize: Bool. Whether the backup may come from another number of
+            workers and replicas (an elastic resume: every per-replica
+            entry must then have a rule for it).
+    """
     replicas = strategy.num_replicas_in_sync
     workers = count_workers(strategy)
-    if manifest["replicas"] != replicas or manifest["workers"] != workers:
+    if not resize and (
+        manifest["replicas"] != replicas or manifest["workers"] != workers
+    ):
         raise BackupError(
             f"The backup in {where} was written by {manifest['workers']} "
             f"worker(s) with {manifest['replicas']} replica(s) in all; this run "
@@ -58,7 +72,8 @@ def check_compatible(manifest: dict, inventory, strategy, where: str) -> None:
             "backup directory to start over."
         )
     saved = manifest["variables"]
-    expected = expected_entries(inventory, replicas)
+    # On a resize, the saved stacks are compared at the backup's replica count.
+    expected = expected_entries(inventory, manifest["replicas"])
     if len(saved) != len(expected):
         raise BackupError(
             f"The backup in {where} holds {len(saved)} variables; this model, "
@@ -66,12 +81,16 @@ def check_compatible(manifest: dict, inventory, strategy, where: str) -> None:
             "different model, optimizer or all-reduce hook. Resume with the "
             "same setup, or point `backup_dir` elsewhere to start over."
         )
-    for position, (old, new) in enumerate(zip(saved, expected)):
-        if (old["shape"], old["dtype"], old["per_replica"]) != (
-            new["shape"],
-            new["dtype"],
-            new["per_replica"],
-        ) or old["name"].split("/")[0] != new["name"].split("/")[0]:
+    for position, (old, new, entry) in enumerate(zip(saved, expected, inventory)):
+        # A shard's size follows the replica count; `reshard` checks length.
+        shape_differs = old["shape"] != new["shape"] and not (
+            resize and entry.rule == "shard"
+        )
+        if (
+            shape_differs
+            or (old["dtype"], old["per_replica"]) != (new["dtype"], new["per_replica"])
+            or old["name"].split("/")[0] != new["name"].split("/")[0]
+        ):
             raise BackupError(
                 f"The backup in {where} does not match this model: variable "
                 f"{position} is {old['name']} {old['shape']} {old['dtype']} in "
@@ -79,6 +98,17 @@ def check_compatible(manifest: dict, inventory, strategy, where: str) -> None:
                 "here. It was written by a different model, optimizer or "
                 "all-reduce hook. Resume with the same setup, or point "
                 "`backup_dir` elsewhere to start over."
+            )
+    if resize and manifest["replicas"] != replicas:
+        exact = [e.name for e in inventory if e.per_replica and e.rule == "exact"]
+        if exact:
+            raise BackupError(
+                f"The backup in {where} was written on {manifest['replicas']} "
+                f"replica(s); this run has {replicas}. These per-replica "
+                "variables have no rule for another replica count (their "
+                f"aggregation is NONE): {', '.join(exact)}. Resume with "
+                f"{manifest['replicas']} replica(s), or give them an "
+                "aggregation (SUM, MEAN or ONLY_FIRST_REPLICA)."
             )
 
 
