@@ -501,12 +501,43 @@ def test_backup_of_another_model_is_an_error(mirrored, tmp_path):
         fit_until(other, str(tmp_path / "b"), inputs)
 
 
-def test_backup_of_another_replica_count_is_an_error(mirrored, tmp_path):
+def test_backup_of_another_replica_count_resumes_elastically(
+    mirrored, tmp_path, caplog
+):
+    # Refused before issue 29; now the batch of 16 per step and 2
+    # accumulation steps hold on 1 replica (tests/test_elastic.py checks
+    # the arithmetic and exactness).
     crashed_backup(mirrored(2), tmp_path)
     x, y = data()
     model = make_model(mirrored(1))
-    with pytest.raises(ValueError, match=r"2 replica.*1 replica"):
-        fit_until(model, str(tmp_path / "b"), PIPELINES["epochs"](x, y)[0])
+    with caplog.at_level("WARNING"):
+        assert fit_until(model, str(tmp_path / "b"), PIPELINES["epochs"](x, y)[0])
+    assert (
+        "elastic resume: 1 worker(s) / 2 replica(s) -> 1 / 1; global batch per "
+        "step 16 -> 16, per update 32 -> 32 (accumulation_steps=2)"
+    ) in caplog.text
+
+
+def test_backup_of_another_model_on_another_replica_count_is_an_error(
+    mirrored, tmp_path
+):
+    crashed_backup(mirrored(2), tmp_path)
+    x, y = data()
+    strategy = mirrored(1)
+    with strategy.scope():
+        other = keras_dist.DistributedModel.from_model(
+            keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)]),
+            all_reduce_hook=FP16(),
+        )
+        other.compile(
+            optimizer=keras_dist.GradientAccumulationOptimizer(
+                keras.optimizers.Adam(0.01), accumulation_steps=2
+            ),
+            loss="mse",
+            metrics=["mae"],
+        )
+    with pytest.raises(ValueError, match="different model"):
+        fit_until(other, str(tmp_path / "b"), PIPELINES["epochs"](x, y)[0])
 
 
 @pytest.mark.parametrize("corrupt", ["state", "manifest"])
