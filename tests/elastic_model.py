@@ -54,7 +54,15 @@ class SeenSamples(keras.layers.Layer):
         return inputs[:, 1:]
 
 
-def make_model(strategy, accumulation_steps, hook=None, examples=EXAMPLES, lr=0.05):
+def make_model(
+    strategy,
+    accumulation_steps,
+    hook=None,
+    examples=EXAMPLES,
+    lr=0.05,
+    sharded=False,
+    sharded_steps=1,
+):
     keras.utils.set_random_seed(1)
     with strategy.scope():
         model = keras_dist.DistributedModel.from_model(
@@ -68,10 +76,12 @@ def make_model(strategy, accumulation_steps, hook=None, examples=EXAMPLES, lr=0.
             ),
             all_reduce_hook=hook,
         )
+        inner = keras.optimizers.SGD(lr, momentum=0.9)
+        if sharded:
+            inner = keras_dist.ShardedOptimizer(inner, accumulation_steps=sharded_steps)
         model.compile(
             optimizer=keras_dist.GradientAccumulationOptimizer(
-                keras.optimizers.SGD(lr, momentum=0.9),
-                accumulation_steps=accumulation_steps,
+                inner, accumulation_steps=accumulation_steps
             ),
             loss="mse",
         )

@@ -197,6 +197,27 @@ def test_a_backup_in_the_middle_of_an_update_carries_its_samples(
     assert_same_run((model, strategy), reference)
 
 
+def test_sharded_optimizer_state_is_resharded_exactly(mirrored, tmp_path, reference):
+    # ZeRO stage 1 under accumulation: each replica's slice of the momentum
+    # is joined and split again for 2 replicas.
+    folder = str(tmp_path / "b")
+    run(mirrored(4), folder, crash_at=28, sharded=True)
+    _, manifest, _ = _backup.read_latest(folder)
+    assert any(entry["rule"] == "shard" for entry in manifest["variables"])
+    strategy = mirrored(2)
+    model, _ = run(strategy, folder, sharded=True)
+    assert_same_run((model, strategy), reference)
+
+
+def test_an_optimizer_that_accumulates_on_its_own_is_refused(mirrored, tmp_path):
+    # ShardedOptimizer(accumulation_steps=3) makes the update batch 3x the
+    # step batch where the resume cannot see or change it.
+    folder = str(tmp_path / "b")
+    run(mirrored(4), folder, 1, crash_at=28, sharded=True, sharded_steps=3)
+    with pytest.raises(ValueError, match=r"ShardedOptimizer\(accumulation_steps=3\)"):
+        run(mirrored(2), folder, 1, sharded=True, sharded_steps=3)
+
+
 def test_a_position_that_is_not_whole_batches_is_refused(mirrored, tmp_path):
     # The same backup (64 pending samples) on 3 replicas: batches of 24.
     folder = str(tmp_path / "b")
@@ -223,7 +244,7 @@ def test_compressed_training_resumes_on_fewer_replicas(
     strategy = mirrored(4)
     expected, expected_history = run(strategy, str(tmp_path / "r"), hook=make_hook())
     folder = str(tmp_path / "b")
-    crashed, _ = run(mirrored(4), folder, hook=make_hook(), crash_at=28)
+    run(mirrored(4), folder, hook=make_hook(), crash_at=28)
     _, manifest, values = _backup.read_latest(folder)
     saved_mass = [
         value.sum(axis=0)

@@ -23,6 +23,7 @@ from keras_dist.backup.writer import BackgroundWriter
 from keras_dist.core import collectives, topology
 from keras_dist.core.inventory import reshard
 from keras_dist.launcher.process import EXIT_PREEMPTED
+from keras_dist.optimizers import check_one_accumulator
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +284,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                     "with the same value to resume."
                 )
             if elastic.is_resize(manifest, self._strategy):
+                if getattr(model, "optimizer", None) is not None:
+                    check_one_accumulator(
+                        model.optimizer,
+                        "An elastic resume (a backup of another number of replicas)",
+                    )
                 self._resize = elastic.plan(
                     manifest, self._strategy, self._input, self._spx, path
                 )
