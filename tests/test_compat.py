@@ -342,3 +342,27 @@ def test_checkpoint_writes_what_an_instance_serializes(tmp_path):
     tf_internal.checkpoint_through(other.value, lambda: other.value, restored.append)
     tf.train.Checkpoint(v=other).restore(path)
     assert restored[0].numpy().tolist() == [1.0, 2.0, 3.0]
+
+
+def test_the_global_batch_of_fit_input_is_read_without_reading_data():
+    # Elastic resume needs the new run's global batch; reading an element
+    # would move a reshuffling dataset's seed generator on.
+    from keras_dist._compat import tf_internal
+
+    base = tf.data.Dataset.range(100)
+    assert tf_internal.dataset_batch_size(base.batch(24, drop_remainder=True)) == 24
+    shuffled = base.shuffle(10, seed=1, reshuffle_each_iteration=True)
+    assert tf_internal.dataset_batch_size(shuffled.repeat().batch(24).prefetch(2)) == 24
+    mapped = base.batch(16).map(lambda i: i * 2).with_options(tf.data.Options())
+    assert tf_internal.dataset_batch_size(mapped) == 16
+    assert tf_internal.dataset_batch_size(base.batch(16).unbatch().batch(8)) == 8
+    assert tf_internal.dataset_batch_size(base.batch(16).unbatch()) is None
+    assert tf_internal.dataset_batch_size(base) is None
+    x, y = tf.zeros((8, 2)), tf.zeros((8, 1))
+    seer = _SeesFit()
+    _tiny_model().fit(x, y, batch_size=4, epochs=1, callbacks=[seer], verbose=0)
+    assert _compat.epoch_iterator_input(seer.iterator) == ("arrays", 4)
+    seer = _SeesFit()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(2)
+    _tiny_model().fit(dataset, epochs=1, callbacks=[seer], verbose=0)
+    assert _compat.epoch_iterator_input(seer.iterator) == ("tf.data", 2)

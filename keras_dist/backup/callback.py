@@ -65,13 +65,23 @@ class BackupAndRestore(keras.callbacks.Callback):
     only when its checksums match, so a process killed during a save leaves
     the previous backup usable; an unusable newest backup falls back to the
     previous one with a warning. A backup this run cannot continue exactly
-    (another model, optimizer or hook, another number of workers or
-    replicas, another `steps_per_execution`, another batch size in the
-    middle of an epoch, an `accumulation_steps` that cannot carry the
-    pending cycle) is a `ValueError` saying which; so is a directory that
-    holds backups of which none is usable: `fit` never starts over
-    silently. A changed `accumulation_steps` that can carry the cycle is
-    used, with one warning line (`manifest.accumulation_steps_on_resume`).
+    (another model, optimizer or hook, another `steps_per_execution`,
+    another batch size in the middle of an epoch, an `accumulation_steps`
+    that cannot carry the pending cycle) is a `ValueError` saying which; so
+    is a directory that holds backups of which none is usable: `fit` never
+    starts over silently. A changed `accumulation_steps` that can carry the
+    cycle is used, with one warning line
+    (`manifest.accumulation_steps_on_resume`).
+
+    Elastic resume: a backup written by another number of workers or
+    replicas goes on with this run's (`keras_dist.backup.elastic`). Every
+    piece of state follows its rule in the training-state inventory, the
+    input skips the samples the interrupted run had consumed (in this run's
+    batches: NumPy arrays or a batched `tf.data.Dataset`, with a
+    `DistributedModel`), and the global batch per update is held by setting
+    `accumulation_steps` (where it cannot be, the learning rate follows by
+    `AutoScaleBatch`'s rule or linearly); one warning line says what
+    changed. What cannot be continued exactly is refused, named.
 
     Writing in the background (`async_write=True`): the state is gathered
     on the step (a consistent snapshot) and written on a thread while
