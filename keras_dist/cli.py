@@ -16,6 +16,7 @@ Example:
 ```shell
 keras-dist launch --workers 2 -- python train.py --epochs 3
 keras-dist launch --workers 2 --ps 1 --chief -- python train.py
+keras-dist launch --workers 2:4 --discover 'cat slots' -- python train.py
 keras-dist env
 keras-dist demo --help
 ```
@@ -42,11 +43,16 @@ from collections.abc import Sequence
 from keras_dist import cluster as cluster_lib
 from keras_dist.launcher import process as process_lib
 from keras_dist.launcher import tf_logs as tf_logs_lib
+from keras_dist.launcher.elastic import describe_discover
 from keras_dist.launcher.supervisor import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     DEFAULT_GRACE_PERIOD,
+    EXIT_DISCOVERY_FAILED,
+    EXIT_TOO_FEW_WORKERS,
     PROG,
     PS_SERVER_COMMAND,
+    WORKERS_ENV_VAR,
+    WORKERS_RANGE_ENV_VAR,
     launch,
     say,
 )
@@ -62,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status. `0` on success, `2` for a usage error, `130` when
         interrupted, otherwise the status of what failed (for `launch`, the
-        exit code of the first task that failed).
+        exit code of the first task that failed; `69` when an elastic
+        launch finds fewer worker slots than its minimum, `1` when
+        `--discover` fails: see `keras_dist.launcher.launch`).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     # Everything after the first `--` belongs to the user's command, whatever
@@ -100,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "no command to launch. Put it after `--`, e.g. "
                     f"`{PROG} launch --workers 2 -- python train.py`."
                 )
+            _check_elastic(args)
             return launch(
                 command,
                 workers=args.workers,
@@ -110,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_restarts=args.max_restarts,
                 collective_timeout=args.collective_timeout,
                 tf_logs=args.tf_logs,
+                discover=args.discover,
             )
         if trailing is not None:
             args.subparser.error(
@@ -142,6 +152,23 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise _UsageExit(status)
 
 
+def _check_elastic(args: argparse.Namespace) -> None:
+    """Refuses `--workers MIN:MAX` or `--discover` with `--ps` or `--chief`."""
+    elastic = isinstance(args.workers, tuple)
+    if not (elastic or args.discover is not None) or not (args.ps or args.chief):
+        return
+    given = [f"--workers {':'.join(map(str, args.workers))}"] if elastic else []
+    if args.discover is not None:
+        given.append(describe_discover(args.discover))
+    given += [f"--ps {args.ps}"] * bool(args.ps) + ["--chief"] * args.chief
+    args.subparser.error(
+        "an elastic launch (--workers MIN:MAX or --discover) runs worker tasks "
+        "only: a chief or parameter servers cannot be resized. Received: "
+        f"{' '.join(given)}. Drop --ps and --chief (worker:0 is then the "
+        "chief), or give --workers N without --discover."
+    )
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _ArgumentParser(
         prog=PROG,
@@ -162,17 +189,36 @@ def _build_parser() -> argparse.ArgumentParser:
             "Parameter-server tasks run a TensorFlow server instead."
         ),
         usage=(
-            f"{PROG} launch --workers N [--ps M] [--chief] [--host HOST] "
-            "[--grace-period SECONDS] [--max-restarts N] "
+            f"{PROG} launch --workers N|MIN:MAX [--discover COMMAND] [--ps M] "
+            "[--chief] [--host HOST] [--grace-period SECONDS] [--max-restarts N] "
             "[--collective-timeout SECONDS] [--tf-logs] -- COMMAND [ARG ...]"
         ),
     )
     launch_parser.add_argument(
         "--workers",
-        type=_int_at_least(1),
+        type=_workers,
         required=True,
-        metavar="N",
-        help="number of worker tasks (>= 1)",
+        metavar="N|MIN:MAX",
+        help=(
+            "number of worker tasks (>= 1), or MIN:MAX (1 <= MIN <= MAX) for "
+            "an elastic launch: each attempt starts min(MAX, available slots) "
+            "workers (see --discover), and stops with status "
+            f"{EXIT_TOO_FEW_WORKERS} below MIN; tasks find the number in "
+            f"{WORKERS_ENV_VAR} and the range in {WORKERS_RANGE_ENV_VAR}"
+        ),
+    )
+    launch_parser.add_argument(
+        "--discover",
+        type=_discover,
+        metavar="COMMAND",
+        default=None,
+        help=(
+            "shell command (run with sh -c before the first attempt and "
+            "before every restart, 30 s at most) that prints the number of "
+            "worker slots available now, one integer; a failure stops the "
+            f"launch with status {EXIT_DISCOVERY_FAILED} (default: MAX slots "
+            "are always available). Workers only: not with --ps or --chief"
+        ),
     )
     launch_parser.add_argument(
         "--ps",
@@ -287,6 +333,35 @@ def _int_at_least(minimum: int):
         return value
 
     return parse
+
+
+def _workers(text: str) -> int | tuple[int, int]:
+    """`--workers`: `N` (an int), or `MIN:MAX` (a pair) for an elastic launch."""
+    parts = text.split(":")
+    try:
+        if len(parts) > 2:
+            raise ValueError(text)
+        counts = [int(part) for part in parts]
+    except ValueError:
+        counts = [0]
+    if len(counts) == 1 and counts[0] >= 1:
+        return counts[0]
+    if len(counts) == 2 and 1 <= counts[0] <= counts[1]:
+        return counts[0], counts[1]
+    raise argparse.ArgumentTypeError(
+        "must be an integer >= 1 (N workers) or MIN:MAX, two integers with "
+        f"1 <= MIN <= MAX (MIN to MAX workers, elastic). Received: {text!r}. "
+        "E.g. --workers 4 or --workers 2:4."
+    )
+
+
+def _discover(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "must be a shell command that prints the number of worker slots "
+            f"available, e.g. --discover 'cat slots'. Received: {text!r}."
+        )
+    return text
 
 
 def _seconds(text: str) -> float:

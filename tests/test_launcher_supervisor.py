@@ -47,6 +47,7 @@ def test_cluster_tasks_start_the_ps_first_each_with_its_environment():
         }
         assert task.env["KERAS_DIST_TASK"] == task.name
         assert task.env["KERAS_DIST_RESTART"] == "2"
+        assert task.env["KERAS_DIST_WORKERS"] == "2"
         assert task.env["PYTHONUNBUFFERED"] == "1"
         assert task.env["A"] == "1"
 

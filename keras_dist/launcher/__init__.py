@@ -4,6 +4,9 @@
   local cluster, runs them, relays the exit status of the one that failed
   and restarts a failed job (`--max-restarts`); it splits the cores
   between the tasks (`TF_NUM_INTRAOP_THREADS`, `KERAS_DIST_SPLIT_THREADS`).
+- `keras_dist.launcher.elastic`: elastic sizing (`--workers MIN:MAX`,
+  `--discover`): the worker range, the discovery command, the tasks'
+  `KERAS_DIST_WORKERS` and `KERAS_DIST_WORKERS_RANGE`.
 - `keras_dist.launcher.process`: starting, watching and stopping groups of
   task processes, one helper for the launcher and
   `keras_dist.testing.run_workers`.
@@ -22,6 +25,14 @@ status = launch(["python", "train.py"], workers=2)  # keras-dist launch
 ```
 """
 
+from keras_dist.launcher.elastic import (
+    EXIT_DISCOVERY_FAILED as EXIT_DISCOVERY_FAILED,
+)
+from keras_dist.launcher.elastic import EXIT_TOO_FEW_WORKERS as EXIT_TOO_FEW_WORKERS
+from keras_dist.launcher.elastic import WORKERS_ENV_VAR as WORKERS_ENV_VAR
+from keras_dist.launcher.elastic import (
+    WORKERS_RANGE_ENV_VAR as WORKERS_RANGE_ENV_VAR,
+)
 from keras_dist.launcher.process import EXIT_PREEMPTED as EXIT_PREEMPTED
 from keras_dist.launcher.supervisor import (
     COLLECTIVE_TIMEOUT_ENV_VAR as COLLECTIVE_TIMEOUT_ENV_VAR,
@@ -41,9 +52,13 @@ __all__ = [
     "COLLECTIVE_TIMEOUT_ENV_VAR",
     "DEFAULT_COLLECTIVE_TIMEOUT",
     "DEFAULT_GRACE_PERIOD",
+    "EXIT_DISCOVERY_FAILED",
     "EXIT_PREEMPTED",
+    "EXIT_TOO_FEW_WORKERS",
     "RESTART_ENV_VAR",
     "SPLIT_THREADS_ENV_VAR",
     "TASK_ENV_VAR",
+    "WORKERS_ENV_VAR",
+    "WORKERS_RANGE_ENV_VAR",
     "launch",
 ]

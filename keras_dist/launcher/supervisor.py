@@ -4,7 +4,9 @@
 cluster (`keras_dist.cluster.local_cluster`: a free localhost port per task,
 each task's own `TF_CONFIG`), starts and supervises them through
 `keras_dist.launcher.process`, relays the exit status of the task that
-failed, and with `max_restarts` starts a failed job again.
+failed, and with `max_restarts` starts a failed job again. With
+`workers=(min, max)` (and `discover`) each attempt has its own number of
+workers (`keras_dist.launcher.elastic`).
 
 This module imports neither TensorFlow nor Keras: parameter-server tasks run
 `python -m keras_dist _ps-server` (`keras_dist.parameter_server.serving`),
@@ -29,6 +31,7 @@ from typing import IO
 
 from keras_dist import cluster as cluster_lib
 from keras_dist._validation import check_bool, check_int, check_real
+from keras_dist.launcher import elastic as elastic_lib
 from keras_dist.launcher import process as process_lib
 from keras_dist.launcher import tf_logs as tf_logs_lib
 
@@ -36,6 +39,10 @@ PROG = "keras-dist"
 TASK_ENV_VAR = "KERAS_DIST_TASK"
 # The attempt number (0 for the first start) in every task's environment.
 RESTART_ENV_VAR = "KERAS_DIST_RESTART"
+WORKERS_ENV_VAR = elastic_lib.WORKERS_ENV_VAR
+WORKERS_RANGE_ENV_VAR = elastic_lib.WORKERS_RANGE_ENV_VAR
+EXIT_TOO_FEW_WORKERS = elastic_lib.EXIT_TOO_FEW_WORKERS
+EXIT_DISCOVERY_FAILED = elastic_lib.EXIT_DISCOVERY_FAILED
 DEFAULT_GRACE_PERIOD = 5.0
 # Seconds a collective may wait for a peer, for tasks the launcher starts
 # (`auto_strategy` reads it from KERAS_DIST_COLLECTIVE_TIMEOUT): generous,
@@ -59,7 +66,7 @@ _PS_SERVER_ARGS = ("-m", "keras_dist", PS_SERVER_COMMAND)
 
 def launch(
     command: Sequence[str],
-    workers: int,
+    workers: int | tuple[int, int],
     ps: int = 0,
     chief: bool = False,
     host: str = "localhost",
@@ -71,11 +78,13 @@ def launch(
     stderr: IO[str] | None = None,
     tf_logs: bool = False,
     split_threads: bool | None = None,
+    discover: str | None = None,
 ) -> int:
     """Runs `command` as every chief and worker task of a local cluster.
 
     Each task is one process started with its own `TF_CONFIG` (and
-    `KERAS_DIST_TASK`, e.g. `"worker:1"`) and `PYTHONUNBUFFERED=1`. Its stdout
+    `KERAS_DIST_TASK`, e.g. `"worker:1"`; `KERAS_DIST_WORKERS`, the number of
+    worker tasks of this attempt) and `PYTHONUNBUFFERED=1`. Its stdout
     and stderr are merged and every line is written to `stdout` as it comes,
     prefixed with the task name: `[worker:1] ...`; when the reader of
     `stdout` goes away (`keras-dist launch ... | head`), the output is dropped
@@ -114,6 +123,26 @@ def launch(
     was preempted (`SIGTERM`, after writing its backup) exits with status
     75, and is restarted like any other failure.
 
+    With `workers=(min, max)` the launch is elastic (as `horovodrun
+    --min-np/--max-np` and torchrun's `--nnodes MIN:MAX`): before the first
+    attempt and before every restart, the shell command `discover` is run
+    (`sh -c`, 30 s at most) and prints how many worker slots are available
+    now, one integer (Horovod's discovery script prints `host:slots` lines;
+    every task of this launcher runs on this machine). Each attempt starts
+    `min(max, available)` workers; without `discover`, `max` are always
+    available. Fewer than `min` stop the launch with status 69, and a
+    discovery command that fails, times out or prints anything but one
+    integer >= 0 stops it with status 1; both are explained on `stderr`. A
+    restart with another number of workers says so (`restart 1 of 3:
+    worker:3 failed with ...; starting the whole job again with 3 workers
+    instead of 4: --discover 'cat slots' reports 3 slot(s) ...`). Every
+    task finds the range in `KERAS_DIST_WORKERS_RANGE` (`"2:4"`), and the
+    cluster of its attempt in `TF_CONFIG` and `KERAS_DIST_WORKERS`; with
+    `keras_dist.callbacks.BackupAndRestore` the training goes on from its
+    last backup on the new number of workers (elastic resume). An int
+    `workers` with `discover` needs that many slots. Elastic launches run
+    worker tasks only: no parameter servers, no chief.
+
     The tasks share this machine's cores, and TensorFlow gives every
     process an intra-op thread pool as large as all of them, so N tasks
     oversubscribe the cores N times. The launcher splits them (as torchrun
@@ -133,7 +162,9 @@ def launch(
     Args:
         command: Sequence of strings. The program and its arguments, e.g.
             `["python", "train.py"]`.
-        workers: Int. Number of `worker` tasks, >= 1.
+        workers: Int or tuple of two ints. Number of `worker` tasks, >= 1;
+            or `(min, max)`, `1 <= min <= max`, for an elastic launch of
+            `min` to `max` workers (see above).
         ps: Int. Number of parameter-server tasks. Defaults to `0`.
         chief: Bool. Whether to add a `chief` task that also runs `command`.
             Defaults to `False`.
@@ -164,6 +195,10 @@ def launch(
         split_threads: Bool or `None`. Split the cores between the tasks
             (`TF_NUM_INTRAOP_THREADS`, see above). `None` splits them unless
             `KERAS_DIST_SPLIT_THREADS` turns it off. Defaults to `None`.
+        discover: String or `None`. A shell command that prints the number
+            of worker slots available (see above), run before every
+            attempt. `None` means `max` slots (all of `workers`). Defaults
+            to `None`.
 
     Returns:
         `0` when every chief and worker task exited with status 0 (with
@@ -171,14 +206,20 @@ def launch(
         the exit status of the first task that failed (`128 + N` for a task
         killed by signal N), `127` when `command` could not be started, `1`
         when the system has too few file descriptors or processes for every
-        task, `130` after Ctrl-C and `143` after SIGTERM.
+        task, or when `discover` failed, `69` when fewer worker slots than
+        the minimum are available, `130` after Ctrl-C and `143` after
+        SIGTERM.
 
     Raises:
-        TypeError: a count is not an int, `chief` not a bool, or
-            `grace_period` not a number.
-        ValueError: `command` is empty, a count is out of range,
-            `grace_period` is negative or not finite, or `max_restarts` is
-            given with parameter servers but no chief.
+        TypeError: a count is not an int (`workers` not an int or a pair of
+            ints), `chief` not a bool, `grace_period` not a number, or
+            `discover` not a string.
+        ValueError: `command` is empty, a count is out of range (or
+            `workers=(min, max)` has `min > max`), `grace_period` is
+            negative or not finite, `discover` is empty, `max_restarts` is
+            given with parameter servers but no chief, or an elastic launch
+            (`workers=(min, max)` or `discover`) has parameter servers or a
+            chief.
 
     Example:
 
@@ -186,12 +227,17 @@ def launch(
     from keras_dist.launcher import launch
 
     status = launch(["python", "train.py"], workers=2)  # like the CLI
+    # 2 to 4 workers, as many as `cat slots` says, restarted up to 3 times:
+    status = launch(
+        ["python", "train.py"], workers=(2, 4), discover="cat slots", max_restarts=3
+    )
     ```
     """
     command = list(command)
     if not command:
         raise ValueError("`command` must name a program to run. Received: command=[].")
-    workers = check_int("workers", workers, minimum=1)
+    sizing = elastic_lib.check_workers(workers)
+    discover = elastic_lib.check_discover(discover)
     ps = check_int("ps", ps, minimum=0)
     chief = check_bool("chief", chief)
     tf_logs = check_bool("tf_logs", tf_logs)
@@ -210,17 +256,29 @@ def launch(
             f"it runs). Received: max_restarts={max_restarts}, ps={ps}, "
             "chief=False."
         )
+    if (sizing.elastic or discover is not None) and (ps or chief):
+        raise ValueError(
+            "An elastic launch (`workers=(min, max)` or `discover`) runs "
+            "worker tasks only: a chief or parameter servers cannot be "
+            f"resized. Received: workers={workers!r}, discover={discover!r}, "
+            f"ps={ps}, chief={chief}. Drop `ps` and `chief` (a worker-only "
+            "job's worker:0 is its chief), or give `workers` as one int "
+            "without `discover`."
+        )
     env = dict(os.environ if environ is None else environ)
     if collective_timeout is not None:
         env[COLLECTIVE_TIMEOUT_ENV_VAR] = f"{collective_timeout:g}"
     else:
         env.setdefault(COLLECTIVE_TIMEOUT_ENV_VAR, f"{DEFAULT_COLLECTIVE_TIMEOUT:g}")
+    if sizing.elastic:
+        env[WORKERS_RANGE_ENV_VAR] = str(sizing)
+    else:
+        # Not inherited from a launch around this one: absent means not elastic.
+        env.pop(WORKERS_RANGE_ENV_VAR, None)
     if split_threads is None:
         split_threads = env.get(SPLIT_THREADS_ENV_VAR, "").strip().lower() not in (
             _SPLIT_OFF
         )
-    if split_threads:
-        split_cores(env, workers + ps + int(chief))
     quiet = tf_logs_lib.prepare_environment(env, tf_logs)
     if tf_logs:
         # So that a `keras-dist` command run by a task shows them too.
@@ -228,12 +286,12 @@ def launch(
     err = stderr if stderr is not None else sys.stderr
     job = _Job(
         command=command,
-        workers=workers,
         ps=ps,
         chief=chief,
         host=host,
         grace_period=grace_period,
         env=env,
+        split_threads=split_threads,
         out=stdout if stdout is not None else sys.stdout,
         err=err,
         # With a coordinator, a failed worker is restarted in place and the
@@ -242,9 +300,29 @@ def launch(
         keep_line=tf_logs_lib.keep_line if quiet else None,
     )
     max_restarts = 0 if coordinated else max_restarts
-    attempt = 0
+    attempt, size, failed = 0, None, None
     while True:
-        status, failed = job.run(attempt)
+        previous = size
+        try:
+            # Asked once the failed attempt is stopped: its workers' slots
+            # are free again, or gone for good.
+            size, reason = _size_of_attempt(sizing, discover, env, err, failed)
+        except _Stop as stop:
+            return stop.status
+        if attempt:
+            resized = (
+                f" with {size} workers instead of {previous}: {reason}"
+                if size != previous
+                else ""
+            )
+            say(
+                err,
+                f"restart {attempt} of {max_restarts}: {_describe_failure(failed)}; "
+                f"starting the whole job again{resized} ({RESTART_ENV_VAR}={attempt}).",
+            )
+        elif discover is not None:
+            say(err, f"starting {size} workers (--workers {sizing}): {reason}.")
+        status, failed = job.run(attempt, size)
         # Only a task's failure is worth a restart: not a launcher that was
         # interrupted or stopped, nor a command that could not start.
         if status == 0 or failed is None or attempt >= max_restarts:
@@ -256,17 +334,64 @@ def launch(
                 )
             return status
         attempt += 1
-        name, code = failed
-        how = (
-            "was preempted (status 75, after writing its backup)"
-            if code == process_lib.EXIT_PREEMPTED
-            else f"failed with {process_lib.describe_exit(code)}"
+
+
+class _Stop(Exception):
+    """The launch stops before an attempt, with this exit status."""
+
+    def __init__(self, status: int):
+        super().__init__(status)
+        self.status = status
+
+
+def _describe_failure(failed: tuple[str, int]) -> str:
+    """`"worker:1 failed with exit code 3"`, or that it was preempted."""
+    name, code = failed
+    if code == process_lib.EXIT_PREEMPTED:
+        return f"{name} was preempted (status 75, after writing its backup)"
+    return f"{name} failed with {process_lib.describe_exit(code)}"
+
+
+def _size_of_attempt(
+    sizing: elastic_lib.WorkerRange,
+    discover: str | None,
+    env: Mapping[str, str],
+    err: IO[str],
+    failed: tuple[str, int] | None,
+) -> tuple[int, str]:
+    """The workers of the next attempt, and why that many.
+
+    Asks `discover` for the slots available (`sizing.maximum` without it).
+
+    Raises:
+        _Stop: the discovery failed or reported fewer slots than
+            `sizing.minimum`; the reason is written to `err`.
+    """
+    if discover is None:
+        return sizing.maximum, f"--workers {sizing}"
+    after = f"{_describe_failure(failed)}; " if failed is not None else ""
+    try:
+        slots = elastic_lib.discover_slots(discover, env)
+    except elastic_lib.DiscoveryError as error:
+        say(err, f"{after}{error} Stopping (exit status {EXIT_DISCOVERY_FAILED}).")
+        raise _Stop(EXIT_DISCOVERY_FAILED) from None
+    named = elastic_lib.describe_discover(discover)
+    if slots < sizing.minimum:
+        needed = (
+            f"the minimum {sizing.minimum} of --workers {sizing}"
+            if sizing.elastic
+            else f"the {sizing.minimum} of --workers {sizing}"
         )
         say(
             err,
-            f"restart {attempt} of {max_restarts}: {name} {how}; starting the "
-            f"whole job again ({RESTART_ENV_VAR}={attempt}).",
+            f"{after}{slots} worker slot(s) available ({named} printed {slots}), "
+            f"fewer than {needed}; stopping (exit status {EXIT_TOO_FEW_WORKERS}).",
         )
+        raise _Stop(EXIT_TOO_FEW_WORKERS)
+    reason = f"{named} reports {slots} slot(s)"
+    if slots > sizing.maximum:
+        return sizing.maximum, f"{reason}, more than the maximum {sizing.maximum}"
+    return slots, reason
 
 
 def available_cores() -> int:
@@ -315,7 +440,8 @@ def cluster_tasks(
     `python -m keras_dist _ps-server` with this copy of keras_dist on their
     `PYTHONPATH`; the chief and worker tasks run `command`. Every task's
     environment is `env` plus its `TF_CONFIG`, `KERAS_DIST_TASK` (e.g.
-    `"worker:1"`), `KERAS_DIST_RESTART` (`attempt`) and
+    `"worker:1"`), `KERAS_DIST_RESTART` (`attempt`), `KERAS_DIST_WORKERS`
+    (the number of `worker` tasks in `cluster_spec`) and
     `PYTHONUNBUFFERED=1`.
 
     Args:
@@ -343,6 +469,7 @@ def cluster_tasks(
             )
             task_env[TASK_ENV_VAR] = name
             task_env[RESTART_ENV_VAR] = str(attempt)
+            task_env[WORKERS_ENV_VAR] = str(len(cluster_spec.get("worker", [])))
             task_env["PYTHONUNBUFFERED"] = "1"
             specs.append(
                 process_lib.TaskSpec(
@@ -362,33 +489,38 @@ class _Job:
     """What every attempt of one `launch` starts the same way."""
 
     command: list[str]
-    workers: int
     ps: int
     chief: bool
     host: str
     grace_period: float
     env: dict[str, str]
+    split_threads: bool
     out: IO[str]
     err: IO[str]
     worker_restarts: int
     keep_line: Callable[[str], bool] | None
 
-    def run(self, attempt: int) -> tuple[int, tuple[str, int] | None]:
-        """Starts every task of one attempt and supervises them to the end.
+    def run(self, attempt: int, workers: int) -> tuple[int, tuple[str, int] | None]:
+        """Starts every task of one attempt, with `workers` workers, to the end.
 
         Returns the exit status and the `(name, returncode)` of the task that
         failed, or `None` when no task failed.
         """
+        env = dict(self.env)
+        if self.split_threads:
+            # Per attempt: an elastic job's size, and so each task's share,
+            # can change from one attempt to the next.
+            split_cores(env, workers + self.ps + int(self.chief))
         try:
             spec = cluster_lib.local_cluster(
-                workers=self.workers, ps=self.ps, chief=self.chief, host=self.host
+                workers=workers, ps=self.ps, chief=self.chief, host=self.host
             )
         except OSError as error:
             # Too many tasks for the descriptor limit: say so, as for a task
             # that cannot start.
             say(self.err, str(error))
             return process_lib.EXIT_NO_RESOURCES, None
-        specs = cluster_tasks(self.command, spec, self.env, attempt)
+        specs = cluster_tasks(self.command, spec, env, attempt)
         # With parameter servers the chief is the coordinator: the job is
         # done when it is, and the workers, which only serve, are stopped then.
         coordinated = bool(self.ps and self.chief)
