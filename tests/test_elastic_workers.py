@@ -1,0 +1,143 @@
+"""Elastic training with real worker processes (issue 29): a worker's
+machine is lost, `keras-dist launch --workers MIN:MAX --discover` restarts
+the job on the workers left, and `BackupAndRestore` goes on from the
+backup of the larger job: the same weights, `iterations` and samples as
+the uninterrupted run.
+
+Global batch per update 96: per-replica 8 (one replica per worker) x 4
+workers x 3 accumulation steps. The chief of every run writes its final
+weights, `iterations` and how often each example was trained on
+(tests/elastic_worker.py); the uninterrupted 4-worker run is the
+reference.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import REPO_ROOT
+
+WORKER = os.path.join(REPO_ROOT, "tests", "elastic_worker.py")
+LAUNCH_TIMEOUT = 900
+
+pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
+
+
+def launch(tmp, workers, *args, discover=None, max_restarts=0, out="out"):
+    """Runs elastic_worker.py under `keras-dist launch`; returns (status, output)."""
+    command = [sys.executable, "-m", "keras_dist", "launch", "--workers", workers]
+    if discover is not None:
+        command += ["--discover", discover]
+    command += ["--max-restarts", str(max_restarts), "--"]
+    command += [sys.executable, WORKER, str(tmp / out), str(tmp / "b"), *args]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": REPO_ROOT}
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=LAUNCH_TIMEOUT,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def result(folder):
+    with np.load(os.path.join(folder, "weights.npz")) as archive:
+        weights = [archive[name] for name in archive.files]
+    with open(os.path.join(folder, "summary.json")) as handle:
+        summary = json.load(handle)
+    return weights, np.load(os.path.join(folder, "seen.npy")), summary
+
+
+def assert_same_run(got, reference, atol=1e-5):
+    weights, seen, summary = result(got)
+    ref_weights, ref_seen, ref_summary = result(reference)
+    for a, b in zip(weights, ref_weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=atol)
+    assert summary["iterations"] == ref_summary["iterations"]
+    # Every example trained on exactly as often: 3 epochs, nothing skipped
+    # or repeated across the resize.
+    np.testing.assert_allclose(seen, ref_seen, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(seen, 3.0, rtol=0, atol=1e-5)
+    return summary, ref_summary
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 4-worker run."""
+    tmp = tmp_path_factory.mktemp("reference")
+    status, output = launch(tmp, "4", "--accumulation", "3")
+    assert status == 0, output[-3000:]
+    return tmp / "out"
+
+
+@pytest.mark.parametrize(("left", "steps"), [(3, 4), (2, 6)], ids=["4to3", "4to2"])
+def test_a_lost_worker_resumes_on_the_workers_left_exactly(
+    tmp_path, reference, left, steps
+):
+    # Worker 3 is SIGKILLed in epoch 2 (after its 28th batch: the last
+    # backup is after batch 27) and its machine does not come back: the
+    # discovery file says `left` slots.
+    slots = tmp_path / "slots"
+    slots.write_text("4\n")
+    status, output = launch(
+        tmp_path,
+        f"{left}:4",
+        "--accumulation",
+        "3",
+        "--die",
+        f"0:28:{left}:{slots}",
+        discover=f"cat {slots}",
+        max_restarts=1,
+    )
+    assert status == 0, output[-4000:]
+    assert f"with {left} workers instead of 4" in output, output[-4000:]
+    assert (
+        f"elastic resume: 4 worker(s) / 4 replica(s) -> {left} / {left}; global "
+        f"batch per step 32 -> {8 * left}, per update 96 -> 96 "
+        f"(accumulation_steps={steps})"
+    ) in output, output[-4000:]
+    summary, _ = assert_same_run(tmp_path / "out", reference)
+    assert summary["workers"] == left
+    assert summary["accumulation_steps"] == steps
+
+
+def test_a_larger_launch_resumes_a_smaller_jobs_backup_exactly(tmp_path, reference):
+    # 2 workers (accumulation 6) crash in epoch 2; a new launch with 4
+    # workers goes on with accumulation 3.
+    slots = tmp_path / "slots"
+    status, output = launch(
+        tmp_path, "2", "--accumulation", "6", "--die", f"0:55:2:{slots}"
+    )
+    assert status != 0, output[-3000:]
+    assert "losing my machine after batch 55" in output
+    status, output = launch(tmp_path, "4", "--accumulation", "6")
+    assert status == 0, output[-4000:]
+    assert (
+        "elastic resume: 2 worker(s) / 2 replica(s) -> 4 / 4; global batch per "
+        "step 16 -> 32, per update 96 -> 96 (accumulation_steps=3)"
+    ) in output, output[-4000:]
+    summary, _ = assert_same_run(tmp_path / "out", reference)
+    assert summary["accumulation_steps"] == 3
+
+
+def test_a_resize_below_the_minimum_stops_with_a_clear_message(tmp_path):
+    slots = tmp_path / "slots"
+    slots.write_text("4\n")
+    status, output = launch(
+        tmp_path,
+        "3:4",
+        "--accumulation",
+        "3",
+        "--die",
+        f"0:5:2:{slots}",
+        discover=f"cat {slots}",
+        max_restarts=2,
+    )
+    assert status != 0
+    assert "fewer than the minimum 3" in output, output[-3000:]
+    assert not (tmp_path / "out").exists()
