@@ -10,7 +10,7 @@ from helpers import REPO_ROOT
 EXAMPLES = os.path.join(REPO_ROOT, "examples")
 
 
-def run(args, timeout=300, cwd=None):
+def run(args, timeout=300, cwd=None, stderr_too=False):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO_ROOT))
     result = subprocess.run(
         [sys.executable, *args],
@@ -21,7 +21,7 @@ def run(args, timeout=300, cwd=None):
         env=env,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result.stdout
+    return result.stdout + result.stderr if stderr_too else result.stdout
 
 
 def test_mirrored_cnn_example():
@@ -42,6 +42,37 @@ def test_multi_worker_example_through_the_launcher():
         )
     digests = {line.split()[3] for line in out.splitlines() if "weights sha256" in line}
     assert len(digests) == 1
+
+
+def test_elastic_example_loses_a_worker_and_goes_on_with_two(tmp_path):
+    # The fault-tolerance guide's command: 3 workers, the last one's machine
+    # is lost in epoch 2, the job goes on with 2 from the backup, holding
+    # the update batch of 96 (accumulation 2 -> 3).
+    slots = tmp_path / "slots"
+    slots.write_text("3\n")
+    script = os.path.join(EXAMPLES, "elastic.py")
+    launch = ["-m", "keras_dist", "launch", "--workers", "2:3"]
+    launch += ["--discover", f"cat {slots}", "--max-restarts", "2", "--"]
+    out = run(
+        [
+            *launch,
+            sys.executable,
+            script,
+            "--lose-a-worker",
+            str(slots),
+            "--backup-dir",
+            str(tmp_path / "backup"),
+        ],
+        stderr_too=True,
+    )
+    assert "starting the whole job again with 2 workers instead of 3" in out
+    assert (
+        "elastic resume: 3 worker(s) / 3 replica(s) -> 2 / 2; global batch per "
+        "step 48 -> 32, per update 96 -> 96 (accumulation_steps=3)"
+    ) in out
+    done = [line for line in out.splitlines() if "] done on 2 replicas" in line]
+    assert len(done) == 2
+    assert "accumulation_steps=3, updates=48" in done[0]
 
 
 def test_multi_worker_example_without_launcher_explains_itself():

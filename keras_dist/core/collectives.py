@@ -373,9 +373,29 @@ def reduce_across(strategy, value, op="sum"):
 
 
 def gather_across(strategy, value, axis=0):
-    """`strategy.gather(value, axis)` with the keys owned (cross-replica)."""
+    """`strategy.gather(value, axis)` with the keys owned (cross-replica).
+
+    Called eagerly (a backup's gather), it runs in one `tf.function` per
+    strategy: `MultiWorkerMirroredStrategy` makes a new one inside every
+    eager gather, and TensorFlow warns of "excessive retracing" from the
+    fifth backup on.
+    """
     own(strategy)
-    return strategy.gather(value, axis=axis)
+    if not tf.executing_eagerly():
+        return strategy.gather(value, axis=axis)
+    gather = _EAGER_GATHERS.get(strategy)
+    if gather is None:
+        # A weak reference: the function must not keep its key alive.
+        owner = weakref.ref(strategy)
+        gather = tf.function(
+            lambda value, axis: owner().gather(value, axis=axis),
+            reduce_retracing=True,
+        )
+        _EAGER_GATHERS[strategy] = gather
+    return gather(value, axis)
+
+
+_EAGER_GATHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # --- Buckets ---------------------------------------------------------------
