@@ -12,6 +12,8 @@ show up in Ray's `Result`.
     python examples/ray_train.py --max-failures 1 --backup-dir gs://bucket/run1
     python examples/ray_train.py --max-failures 1 --backup-dir /shared/backups
     RAY_ADDRESS=auto python examples/ray_train.py --workers 4   # a running cluster
+    RAY_ADDRESS=auto python examples/ray_train.py --workers 2:4 \
+        --max-failures 3 --backup-dir gs://bucket/run1          # elastic
 
 With `--max-failures N` Ray restarts the whole worker group when a worker
 dies, up to N times. With `--backup-dir` (an object store URL such as
@@ -19,6 +21,30 @@ dies, up to N times. With `--backup-dir` (an object store URL such as
 `keras_dist.callbacks.BackupAndRestore` makes the new group resume from the
 last backup (every epoch); without it the new group trains from the first
 epoch again, and the epochs done before the failure are lost time.
+
+Elastic: `--workers MIN:MAX` gives Ray Train
+`ScalingConfig(num_workers=(MIN, MAX))` (Train v2's elastic scaling). Ray
+starts as many workers as the cluster's nodes hold, up to MAX (one CPU
+each). A lost node is a worker-group failure (counted by `--max-failures`):
+Ray restarts the group with as many workers as the nodes left hold, or
+waits while that is below MIN. While the group is healthy, Ray looks for
+more resources every `ScalingConfig.elastic_resize_monitor_interval_s`
+(its default, 60 s, is kept here) and restarts the group larger when it
+finds them. With `--backup-dir`, a new group of another size resumes the
+backup through `BackupAndRestore`'s elastic resume: state resharded, data
+position kept, one log line (`BackupAndRestore: elastic resume: 3
+worker(s) / 3 replica(s) -> 2 / 2; global batch per step 32 -> 32, per
+update 128 -> 128 (accumulation_steps=4).`). `examples/train.py` passes
+`batch_size=32` to `fit`, the *global* batch under a distribution strategy
+(tf.distribute splits it over the replicas), so a step is 32 samples on any
+number of workers: the update batch (32 x `accumulation_steps=4` = 128) is
+held as it is, and neither `accumulation_steps` nor the learning rate
+changes; only each worker's share of a step does. With `--backup-dir`, MIN
+must be 2 or more: one worker trains under `DefaultStrategy`, where
+`BackupAndRestore` cannot resume a backup of several workers (nor they one
+of a single worker). A local Ray (no `RAY_ADDRESS`) is one node with MAX
+CPUs, so the group is always MAX there; it shrinks on a cluster that loses
+a node (tests/test_ray.py removes one of three).
 """
 
 import argparse
@@ -72,7 +98,13 @@ def train_loop_per_worker(config):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--workers",
+        type=_workers,
+        default=2,
+        metavar="N|MIN:MAX",
+        help="N workers, or MIN:MAX for Ray's elastic scaling (default: 2)",
+    )
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--hook", choices=("fp16", "none"), default="fp16")
     parser.add_argument("--max-failures", type=int, default=0)
@@ -89,6 +121,19 @@ def main(argv=None):
         "backup was written",
     )
     args = parser.parse_args(argv)
+    elastic = isinstance(args.workers, tuple)
+    if elastic and args.workers[0] == 1 < args.workers[1] and args.backup_dir:
+        # Measured: a group of 2 shrunk to 1 stopped with "The backup ...
+        # does not match this model: ... accumulator_0 [2, 64, 128] ... in
+        # the backup but ... [64, 128] here".
+        parser.error(
+            "`--workers 1:MAX` cannot resume with `--backup-dir`: one worker "
+            "trains under DefaultStrategy (auto_strategy with a one-task "
+            "TF_CONFIG), where BackupAndRestore cannot take over a backup of "
+            "several workers, nor they one of a single worker. Received: "
+            f"--workers={args.workers[0]}:{args.workers[1]}. Allow no fewer "
+            "than 2 workers (`--workers 2:4`), or leave out `--backup-dir`."
+        )
 
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -99,9 +144,12 @@ def main(argv=None):
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=runtime_env)
     else:
-        # A local Ray with no dashboard: one CPU per worker, nothing more.
+        # A local Ray with no dashboard: one CPU per worker (MAX of them when
+        # elastic), nothing more.
         ray.init(
-            num_cpus=args.workers, include_dashboard=False, runtime_env=runtime_env
+            num_cpus=_max_workers(args.workers),
+            include_dashboard=False,
+            runtime_env=runtime_env,
         )
     trainer = TensorflowTrainer(
         train_loop_per_worker,
@@ -111,6 +159,8 @@ def main(argv=None):
             "out": os.path.abspath(args.out) if args.out else None,
             "backup_dir": _absolute(args.backup_dir),
         },
+        # An int: a fixed group; a (MIN, MAX) tuple: Ray Train v2's elastic
+        # group, sized to the resources the cluster has at every (re)start.
         scaling_config=ScalingConfig(num_workers=args.workers),
         run_config=RunConfig(
             storage_path=_absolute(args.storage),
@@ -126,6 +176,25 @@ def main(argv=None):
         with open(os.path.join(args.out, "reports.json"), "w") as handle:
             json.dump(reports, handle)
     return 0
+
+
+def _workers(text):
+    """`--workers`: an int `N`, or `(MIN, MAX)` from `MIN:MAX`."""
+    parts = text.split(":")
+    if len(parts) in (1, 2) and all(part.isdigit() for part in parts):
+        numbers = tuple(int(part) for part in parts)
+        if min(numbers) >= 1 and numbers == tuple(sorted(numbers)):
+            return numbers[0] if len(numbers) == 1 else numbers
+    raise argparse.ArgumentTypeError(
+        "`--workers` must be a number of workers N >= 1, or MIN:MAX with "
+        f"1 <= MIN <= MAX for an elastic group. Received: --workers={text!r}. "
+        "For example `--workers 2` or `--workers 2:4`."
+    )
+
+
+def _max_workers(workers):
+    """The most workers `--workers` may start."""
+    return workers[1] if isinstance(workers, tuple) else workers
 
 
 def _absolute(path):

@@ -5,7 +5,9 @@ runs the example as its own driver process connected to it through
 `RAY_ADDRESS`, as a user would on a running cluster. The Ray workers get
 `TF_CONFIG` from Ray's `TensorflowTrainer`, `auto_strategy()` builds a
 `MultiWorkerMirroredStrategy`, and the result is compared with the same
-script on one device (`examples/train.py` without a cluster).
+script on one device (`examples/train.py` without a cluster). The elastic
+test brings up its own three-node cluster (`ray.cluster_utils.Cluster`) and
+removes a node while the run trains.
 """
 
 import json
@@ -126,26 +128,146 @@ def test_a_killed_ray_worker_resumes_from_the_backup(ray_address, one_device, tm
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
+def test_an_elastic_group_shrinks_when_a_node_goes(
+    three_node_cluster, one_device, tmp_path
+):
+    """`--workers 2:3`: a node removed in epoch 2 of 3; Ray goes on with 2.
+
+    Ray Train's elastic policy (`ScalingConfig(num_workers=(2, 3))`) starts
+    3 workers on the three 1-CPU nodes. Removing one node kills its worker;
+    with `max_failures=1` Ray restarts the group with the workers the nodes
+    left hold, 2, and `BackupAndRestore` resumes the 3-worker backup of
+    epoch 1 elastically. The global batch (32) is the same on any number of
+    workers, so the update batch (128) is held with no change, and the two
+    workers left end equal to one device (uncompressed, so to float32
+    precision). A minimum of 2: one worker cannot resume the backup (see
+    `test_an_elastic_group_of_one_refuses_a_backup_dir`).
+    """
+    cluster, nodes = three_node_cluster
+    removed = []
+
+    def remove_in_epoch_two(line):
+        if not removed and re.search(r"RayTrainWorker pid=.*Epoch 2/3", line):
+            removed.append(line)
+            cluster.remove_node(nodes[-1])
+
+    result = _run_example(
+        cluster.address,
+        tmp_path,
+        "--epochs=3",
+        "--hook=none",
+        "--max-failures=1",
+        f"--backup-dir={tmp_path / 'backups'}",
+        workers="2:3",
+        on_line=remove_in_epoch_two,
+        # Ray's AutoscalingCoordinator sees the cluster anew every 20 s; a
+        # restart decided before it saw the node go asks for 3 workers again
+        # and waits for them this long (default 60 s) before it asks again.
+        env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"},
+    )
+    assert removed, result.output[-6000:]
+    assert result.returncode == 0, result.output[-6000:]
+    assert "Started training worker group of size 3" in result.output
+    assert "Started training worker group of size 2" in result.output
+    assert (
+        "BackupAndRestore: elastic resume: 3 worker(s) / 3 replica(s) -> 2 / 2; "
+        "global batch per step 32 -> 32, per update 128 -> 128 "
+        "(accumulation_steps=4)"
+    ) in result.output, result.output[-6000:]
+    reports = json.loads((tmp_path / "reports.json").read_text())
+    assert int(reports[-1]["epoch"]) == 3
+    # Only the group that finished writes weights: the two workers left.
+    first, second = (
+        example_weights(path) for path in sorted(tmp_path.glob("weights-*.npz"))
+    )
+    assert all(np.isfinite(w).all() for w in first)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    for got, want in zip(first, one_device("none", 3)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "workers", ["0", "3:2", "0:2", "2:", "a", "1:2:3", "-1"], ids=repr
+)
+def test_workers_takes_n_or_min_max_only(workers, monkeypatch, capsys):
+    ray_train = _import_example(monkeypatch)
+    with pytest.raises(SystemExit):
+        ray_train.main([f"--workers={workers}"])
+    error = capsys.readouterr().err
+    assert "`--workers` must be a number of workers N >= 1, or MIN:MAX" in error
+    assert f"Received: --workers={workers!r}" in error
+
+
+def test_an_elastic_group_of_one_refuses_a_backup_dir(monkeypatch, capsys):
+    """One worker runs DefaultStrategy; a backup of two cannot go on there."""
+    ray_train = _import_example(monkeypatch)
+    with pytest.raises(SystemExit):
+        ray_train.main(["--workers=1:2", "--backup-dir=backups"])
+    assert "`--workers 1:MAX` cannot resume with `--backup-dir`" in (
+        capsys.readouterr().err
+    )
+
+
+def _import_example(monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLES)
+    import ray_train
+
+    return ray_train
+
+
+@pytest.fixture
+def three_node_cluster(tmp_path_factory, monkeypatch):
+    """A Ray cluster of three nodes on this machine, 1 CPU each.
+
+    Yields `(cluster, nodes)`; the head node stays (the driver connects to
+    it), the other two (`nodes`) may be removed.
+    """
+    from ray.cluster_utils import Cluster
+
+    temp = tmp_path_factory.mktemp("ray")
+    # `Cluster` writes its address to `$RAY_TMPDIR/ray/ray_current_cluster`
+    # (where `ray.init(address="auto")` looks): keep that in the test's
+    # folder instead of the machine's /tmp/ray.
+    (temp / "ray").mkdir()
+    monkeypatch.setenv("RAY_TMPDIR", str(temp))
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "include_dashboard": False,
+            "temp_dir": str(temp),
+        },
+    )
+    try:
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+        cluster.wait_for_nodes()
+        yield cluster, nodes
+    finally:
+        cluster.shutdown()
+
+
 class _Result:
     def __init__(self, returncode, output):
         self.returncode = returncode
         self.output = output
 
 
-def _run_example(ray_address, out, *args, on_line=None, timeout=420):
-    """Runs examples/ray_train.py as a driver of the module's Ray cluster."""
+def _run_example(
+    ray_address, out, *args, workers="2", on_line=None, env=None, timeout=420
+):
+    """Runs examples/ray_train.py as a driver of the Ray cluster at `ray_address`."""
     command = [
         sys.executable,
         os.path.join(EXAMPLES, "ray_train.py"),
-        "--workers=2",
+        f"--workers={workers}",
         f"--out={out}",
         f"--storage={out / 'ray_results'}",
         *args,
     ]
-    env = _env(RAY_ADDRESS=ray_address, RAY_DEDUP_LOGS="0")
     process = subprocess.Popen(
         command,
-        env=env,
+        env=_env(RAY_ADDRESS=ray_address, RAY_DEDUP_LOGS="0", **(env or {})),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
