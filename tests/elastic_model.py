@@ -62,6 +62,7 @@ def make_model(
     lr=0.05,
     sharded=False,
     sharded_steps=1,
+    momentum=0.9,
 ):
     keras.utils.set_random_seed(1)
     with strategy.scope():
@@ -76,7 +77,7 @@ def make_model(
             ),
             all_reduce_hook=hook,
         )
-        inner = keras.optimizers.SGD(lr, momentum=0.9)
+        inner = keras.optimizers.SGD(lr, momentum=momentum)
         if sharded:
             inner = keras_dist.ShardedOptimizer(inner, accumulation_steps=sharded_steps)
         model.compile(

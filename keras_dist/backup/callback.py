@@ -21,7 +21,6 @@ from keras_dist.backup import manifest as manifest_lib
 from keras_dist.backup import resume as resume_lib
 from keras_dist.backup.writer import BackgroundWriter
 from keras_dist.core import collectives, topology
-from keras_dist.core.inventory import reshard
 from keras_dist.launcher.process import EXIT_PREEMPTED
 from keras_dist.optimizers import check_one_accumulator
 
@@ -502,8 +501,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         steps = None if resize else self._accumulation_steps_on_resume(resume)
         values = resume.values
         if resize is not None:
-            replicas = self._strategy.num_replicas_in_sync
-            values = [reshard(e, v, replicas) for e, v in zip(inventory, values)]
+            values = elastic.reshard_values(
+                inventory,
+                resume.manifest,
+                values,
+                self._strategy.num_replicas_in_sync,
+            )
         if resume.calls == 0:
             # Resumed at the start of an epoch: `fit` has just reset the
             # metrics; the backup's sums belong to the epoch before.

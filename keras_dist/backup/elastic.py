@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import numbers
 
 import keras
 
 from keras_dist.backup.store import BackupError
 from keras_dist.core import topology
+from keras_dist.core.inventory import PER_REPLICA, reshard
 from keras_dist.core.optimizer_view import nested_optimizers
 
 logger = logging.getLogger(__name__)
@@ -191,6 +193,39 @@ def _whole(samples: int, batch: int, what: str) -> int:
             'save_freq="epoch")'
         )
     return samples // batch
+
+
+def reshard_values(inventory, manifest: dict, values: list, replicas: int) -> list:
+    """The backup's values mapped onto this run's `replicas`, entry by entry.
+
+    Each entry follows its rule (`keras_dist.core.inventory.reshard`). One
+    replica without a strategy keeps plain variables where a strategy keeps
+    per-replica ones (accumulators, metric sums): a saved per-replica stack
+    is merged onto it by the rule the backup recorded, and a plain saved
+    value is the one replica's value of a per-replica entry.
+    """
+    result = []
+    for entry, saved, value in zip(inventory, manifest["variables"], values):
+        if value is None:
+            result.append(None)
+        elif saved["per_replica"] and not entry.per_replica:
+            # A shard's vector is the whole variable on one replica.
+            length = entry.length or math.prod(entry.shape)
+            as_saved = dataclasses.replace(
+                entry,
+                placement=PER_REPLICA,
+                rule=saved["rule"],
+                length=length if saved["rule"] == "shard" else None,
+            )
+            merged = reshard(as_saved, value, 1)[0]
+            result.append(merged.reshape(entry.shape))
+        else:
+            if entry.per_replica and not saved["per_replica"]:
+                value = (
+                    value.reshape(-1)[None] if entry.rule == "shard" else value[None]
+                )
+            result.append(reshard(entry, value, replicas))
+    return result
 
 
 def apply(model, resize: Resize, accumulator, autoscale) -> None:

@@ -82,13 +82,21 @@ def check_compatible(
             "same setup, or point `backup_dir` elsewhere to start over."
         )
     for position, (old, new, entry) in enumerate(zip(saved, expected, inventory)):
+        old_shape, new_shape = old["shape"], new["shape"]
+        if resize and old["per_replica"] != new["per_replica"]:
+            # One replica without a strategy keeps no per-replica variables:
+            # compare one replica's shape.
+            old_shape = old_shape[1:] if old["per_replica"] else old_shape
+            new_shape = new_shape[1:] if new["per_replica"] else new_shape
+        elif not resize and old["per_replica"] != new["per_replica"]:
+            old_shape = None  # not this model's layout
         # A shard's size follows the replica count; `reshard` checks length.
-        shape_differs = old["shape"] != new["shape"] and not (
-            resize and entry.rule == "shard"
+        shape_differs = old_shape != new_shape and not (
+            resize and "shard" in (entry.rule, old.get("rule"))
         )
         if (
             shape_differs
-            or (old["dtype"], old["per_replica"]) != (new["dtype"], new["per_replica"])
+            or old["dtype"] != new["dtype"]
             or old["name"].split("/")[0] != new["name"].split("/")[0]
         ):
             raise BackupError(
