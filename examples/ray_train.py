@@ -39,10 +39,9 @@ update 128 -> 128 (accumulation_steps=4).`). `examples/train.py` passes
 (tf.distribute splits it over the replicas), so a step is 32 samples on any
 number of workers: the update batch (32 x `accumulation_steps=4` = 128) is
 held as it is, and neither `accumulation_steps` nor the learning rate
-changes; only each worker's share of a step does. With `--backup-dir`, MIN
-must be 2 or more: one worker trains under `DefaultStrategy`, where
-`BackupAndRestore` cannot resume a backup of several workers (nor they one
-of a single worker). A local Ray (no `RAY_ADDRESS`) is one node with MAX
+changes; only each worker's share of a step does. A group of one worker
+(`DefaultStrategy`) resumes a backup of several too, and the other way
+round. A local Ray (no `RAY_ADDRESS`) is one node with MAX
 CPUs, so the group is always MAX there; it shrinks on a cluster that loses
 a node (tests/test_ray.py removes one of three).
 """
@@ -121,20 +120,6 @@ def main(argv=None):
         "backup was written",
     )
     args = parser.parse_args(argv)
-    elastic = isinstance(args.workers, tuple)
-    if elastic and args.workers[0] == 1 < args.workers[1] and args.backup_dir:
-        # Measured: a group of 2 shrunk to 1 stopped with "The backup ...
-        # does not match this model: ... accumulator_0 [2, 64, 128] ... in
-        # the backup but ... [64, 128] here".
-        parser.error(
-            "`--workers 1:MAX` cannot resume with `--backup-dir`: one worker "
-            "trains under DefaultStrategy (auto_strategy with a one-task "
-            "TF_CONFIG), where BackupAndRestore cannot take over a backup of "
-            "several workers, nor they one of a single worker. Received: "
-            f"--workers={args.workers[0]}:{args.workers[1]}. Allow no fewer "
-            "than 2 workers (`--workers 2:4`), or leave out `--backup-dir`."
-        )
-
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.tensorflow import TensorflowTrainer

@@ -140,8 +140,7 @@ def test_an_elastic_group_shrinks_when_a_node_goes(
     epoch 1 elastically. The global batch (32) is the same on any number of
     workers, so the update batch (128) is held with no change, and the two
     workers left end equal to one device (uncompressed, so to float32
-    precision). A minimum of 2: one worker cannot resume the backup (see
-    `test_an_elastic_group_of_one_refuses_a_backup_dir`).
+    precision).
     """
     cluster, nodes = three_node_cluster
     removed = []
@@ -197,16 +196,6 @@ def test_workers_takes_n_or_min_max_only(workers, monkeypatch, capsys):
     error = capsys.readouterr().err
     assert "`--workers` must be a number of workers N >= 1, or MIN:MAX" in error
     assert f"Received: --workers={workers!r}" in error
-
-
-def test_an_elastic_group_of_one_refuses_a_backup_dir(monkeypatch, capsys):
-    """One worker runs DefaultStrategy; a backup of two cannot go on there."""
-    ray_train = _import_example(monkeypatch)
-    with pytest.raises(SystemExit):
-        ray_train.main(["--workers=1:2", "--backup-dir=backups"])
-    assert "`--workers 1:MAX` cannot resume with `--backup-dir`" in (
-        capsys.readouterr().err
-    )
 
 
 def _import_example(monkeypatch):
