@@ -202,6 +202,35 @@ def test_a_seeded_stream_resumes_on_another_count_exactly(mirrored, tmp_path):
     assert_same_run((model, strategy), expected)
 
 
+class Batches(keras.utils.PyDataset):
+    """Batches of 32 in order: the global batch whatever the replica count."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x) // 32
+
+    def __getitem__(self, index):
+        part = slice(32 * index, 32 * (index + 1))
+        return self.x[part], self.y[part]
+
+
+def test_a_py_dataset_resumes_on_another_count_exactly(mirrored, tmp_path, reference):
+    # A PyDataset's batch is its own (32): on 2 replicas each takes 16, the
+    # update batch 96 is held with accumulation 3 unchanged.
+    def inputs(x, y, replicas):
+        return {"x": Batches(x, y)}
+
+    folder = str(tmp_path / "b")
+    run(mirrored(4), folder, inputs=inputs, crash_at=28)
+    strategy = mirrored(2)
+    model, _ = run(strategy, folder, inputs=inputs)
+    assert model.optimizer.accumulation_steps == 3
+    assert_same_run((model, strategy), reference)
+
+
 def test_a_backup_in_the_middle_of_an_update_carries_its_samples(
     mirrored, tmp_path, reference
 ):

@@ -12,10 +12,13 @@ removes a node while the run trains.
 
 import json
 import os
+import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
 import numpy as np
@@ -206,7 +209,7 @@ def _import_example(monkeypatch):
 
 
 @pytest.fixture
-def three_node_cluster(tmp_path_factory, monkeypatch):
+def three_node_cluster(monkeypatch):
     """A Ray cluster of three nodes on this machine, 1 CPU each.
 
     Yields `(cluster, nodes)`; the head node stays (the driver connects to
@@ -214,10 +217,12 @@ def three_node_cluster(tmp_path_factory, monkeypatch):
     """
     from ray.cluster_utils import Cluster
 
-    temp = tmp_path_factory.mktemp("ray")
-    # `Cluster` writes its address to `$RAY_TMPDIR/ray/ray_current_cluster`
-    # (where `ray.init(address="auto")` looks): keep that in the test's
-    # folder instead of the machine's /tmp/ray.
+    # A short folder of its own: Ray's sockets live under it, and a Unix
+    # socket path may not exceed 107 bytes (pytest's folders under xdist
+    # come close). `Cluster` writes its address to
+    # `$RAY_TMPDIR/ray/ray_current_cluster` (where `ray.init(address="auto")`
+    # looks): there instead of the machine's /tmp/ray.
+    temp = pathlib.Path(tempfile.mkdtemp(prefix="kdray-"))
     (temp / "ray").mkdir()
     monkeypatch.setenv("RAY_TMPDIR", str(temp))
     cluster = Cluster(
@@ -234,6 +239,7 @@ def three_node_cluster(tmp_path_factory, monkeypatch):
         yield cluster, nodes
     finally:
         cluster.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 class _Result:

@@ -366,7 +366,7 @@ def next_epoch_starts_fresh(epoch_iterator) -> bool:
 def epoch_iterator_input(epoch_iterator) -> tuple[str, int | None]:
     """What `fit` reads (`"arrays"`, `"tf.data"`, `"PyDataset"` or the
     adapter's name) and its batch size, the global batch of one step
-    (`None` when it cannot be told without reading the data)."""
+    (`None` when it cannot be told without disturbing the input)."""
     adapter = epoch_iterator.data_adapter
     name = type(adapter).__name__
     if name == "ArrayDataAdapter":
@@ -377,7 +377,13 @@ def epoch_iterator_input(epoch_iterator) -> tuple[str, int | None]:
             return "a distributed dataset", None
         return "tf.data", _tf_internal.dataset_batch_size(dataset)
     if name == "PyDatasetAdapter":
-        return "PyDataset", None
+        # Its batches are the dataset's own: the first one's size (indexing
+        # a PyDataset reads that batch; the iteration is not disturbed).
+        first = adapter.py_dataset[0]
+        inputs = first[0] if isinstance(first, tuple) else first
+        leaves = keras.tree.flatten(inputs)
+        size = getattr(leaves[0], "shape", [None])[0] if leaves else None
+        return "PyDataset", None if size is None else int(size)
     return name, None
 
 

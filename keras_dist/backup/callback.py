@@ -233,11 +233,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # resume exactly" above).
         self._epoch_iterator = self._fit.epoch_iterator
         # What `fit` reads and its global batch, for the global data position.
-        self._input = (
-            None
-            if self._epoch_iterator is None
-            else _compat.epoch_iterator_input(self._epoch_iterator)
-        )
+        self._input = None
         self._resize = None
         self._in_fit = True
         self._epoch = 0
@@ -299,7 +295,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                         "An elastic resume (a backup of another number of replicas)",
                     )
                 self._resize = elastic.plan(
-                    manifest, self._strategy, self._input, self._spx, path
+                    manifest, self._strategy, self._fit_input(), self._spx, path
                 )
                 # The position and calls in this run's batches; the saved
                 # per-worker batch size does not apply to this layout.
@@ -390,6 +386,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _spx(self) -> int:
         return int(self.model.steps_per_execution)
 
+    def _fit_input(self):
+        """What `fit` reads and its global batch (read once per `fit`), or
+        `None` for a plain `keras.Model` (no input iterator handed over)."""
+        if self._input is None and self._epoch_iterator is not None:
+            self._input = _compat.epoch_iterator_input(self._epoch_iterator)
+        return self._input
+
     def _is_chief(self) -> bool:
         return bool(self._strategy.extended.should_checkpoint)
 
@@ -458,7 +461,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             "position": int(position),
             "steps_per_execution": self._spx,
             "batch_size": batch_size,
-            "global_batch": None if self._input is None else self._input[1],
+            "global_batch": (self._fit_input() or (None, None))[1],
             "accumulation": resume_lib.accumulation_state(
                 model, self._configured_steps
             ),
