@@ -56,6 +56,20 @@ OPTIMIZERS = {
 }
 
 
+class Boom(keras.callbacks.Callback):
+    """Stops `fit` with `KeyboardInterrupt` after the N-th batch (a crash in
+    one process: the backup tests resume in the same process)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.seen = at, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.at:
+            raise KeyboardInterrupt("crash")
+
+
 def max_abs_diff(weights_a, weights_b):
     assert len(weights_a) == len(weights_b)
     return max(float(np.max(np.abs(a - b))) for a, b in zip(weights_a, weights_b))
@@ -233,6 +247,23 @@ def assert_config_round_trip(instance, exact_arguments=True):
 
 def _as_json(config):
     return json.loads(json.dumps(config, sort_keys=True))
+
+
+def launch_workers(launch_args, script_args, timeout):
+    """Runs `keras-dist launch LAUNCH_ARGS -- python SCRIPT_ARGS` from the
+    repository; returns `(status, stdout + stderr)`."""
+    command = [sys.executable, "-m", "keras_dist", "launch", *launch_args, "--"]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("TF_CONFIG", None)
+    done = subprocess.run(
+        [*command, sys.executable, *script_args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=timeout,
+    )
+    return done.returncode, done.stdout + done.stderr
 
 
 def run_python(code, env=None, timeout=120, check=True):

@@ -19,6 +19,7 @@ from elastic_model import (
     make_model,
     seen,
 )
+from helpers import Boom
 
 import keras_dist
 from keras_dist import state
@@ -28,19 +29,6 @@ from keras_dist.callbacks import AutoScaleBatch, BackupAndRestore
 from keras_dist.compression import DGC, FP16, PowerSGD, TopK
 
 EPOCHS = 3
-
-
-class Boom(keras.callbacks.Callback):
-    """Stops fit with an exception after the N-th batch (a crash)."""
-
-    def __init__(self, at):
-        super().__init__()
-        self.at, self.seen = at, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.at:
-            raise KeyboardInterrupt("crash")
 
 
 class HookMass(keras.callbacks.Callback):
@@ -202,33 +190,28 @@ def test_a_seeded_stream_resumes_on_another_count_exactly(mirrored, tmp_path):
     assert_same_run((model, strategy), expected)
 
 
-class Batches(keras.utils.PyDataset):
-    """Batches of 32 in order: the global batch whatever the replica count."""
+def test_a_py_dataset_cannot_resume_on_another_count(mirrored, tmp_path):
+    # Its batch cannot be told without reading it; elastic resume of a
+    # PyDataset is not offered (see the closing note of issue 29).
+    class Batches(keras.utils.PyDataset):
+        def __init__(self, x, y):
+            super().__init__()
+            self.x, self.y = x, y
 
-    def __init__(self, x, y):
-        super().__init__()
-        self.x, self.y = x, y
+        def __len__(self):
+            return len(self.x) // 32
 
-    def __len__(self):
-        return len(self.x) // 32
+        def __getitem__(self, index):
+            part = slice(32 * index, 32 * (index + 1))
+            return self.x[part], self.y[part]
 
-    def __getitem__(self, index):
-        part = slice(32 * index, 32 * (index + 1))
-        return self.x[part], self.y[part]
-
-
-def test_a_py_dataset_resumes_on_another_count_exactly(mirrored, tmp_path, reference):
-    # A PyDataset's batch is its own (32): on 2 replicas each takes 16, the
-    # update batch 96 is held with accumulation 3 unchanged.
     def inputs(x, y, replicas):
         return {"x": Batches(x, y)}
 
     folder = str(tmp_path / "b")
-    run(mirrored(4), folder, inputs=inputs, crash_at=28)
-    strategy = mirrored(2)
-    model, _ = run(strategy, folder, inputs=inputs)
-    assert model.optimizer.accumulation_steps == 3
-    assert_same_run((model, strategy), reference)
+    run(mirrored(4), folder, crash_at=28)
+    with pytest.raises(BackupError, match=r"cannot tell for PyDataset"):
+        run(mirrored(2), folder, inputs=inputs)
 
 
 def test_a_backup_in_the_middle_of_an_update_carries_its_samples(

@@ -13,12 +13,10 @@ reference.
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, launch_workers
 
 WORKER = os.path.join(REPO_ROOT, "tests", "elastic_worker.py")
 LAUNCH_TIMEOUT = 900
@@ -28,21 +26,11 @@ pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
 
 def launch(tmp, workers, *args, discover=None, max_restarts=0, out="out"):
     """Runs elastic_worker.py under `keras-dist launch`; returns (status, output)."""
-    command = [sys.executable, "-m", "keras_dist", "launch", "--workers", workers]
+    options = ["--workers", workers, "--max-restarts", str(max_restarts)]
     if discover is not None:
-        command += ["--discover", discover]
-    command += ["--max-restarts", str(max_restarts), "--"]
-    command += [sys.executable, WORKER, str(tmp / out), str(tmp / "b"), *args]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": REPO_ROOT}
-    done = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO_ROOT,
-        timeout=LAUNCH_TIMEOUT,
-    )
-    return done.returncode, done.stdout + done.stderr
+        options += ["--discover", discover]
+    script = (WORKER, str(tmp / out), str(tmp / "b"), *args)
+    return launch_workers(options, script, LAUNCH_TIMEOUT)
 
 
 def result(folder):

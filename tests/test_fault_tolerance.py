@@ -26,7 +26,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, Boom
 
 import keras_dist
 from keras_dist.backup import files as _files
@@ -296,19 +296,6 @@ def test_collective_timeout_reaches_the_strategy(monkeypatch):
 # --- One process, 2 logical replicas -----------------------------------------
 
 
-class Boom(keras.callbacks.Callback):
-    """Stops fit with an exception after the N-th batch (a crash)."""
-
-    def __init__(self, at):
-        super().__init__()
-        self.at, self.seen = at, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.at:
-            raise KeyboardInterrupt("crash")
-
-
 def data():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(96, 8)).astype("float32")
@@ -482,9 +469,8 @@ def crashed_backup(strategy, tmp_path, crash_at=10):
     return inputs
 
 
-def test_backup_of_another_model_is_an_error(mirrored, tmp_path):
-    strategy = mirrored(2)
-    inputs = crashed_backup(strategy, tmp_path)
+def other_model(strategy):
+    """A model with other variables than `make_model`'s (one layer)."""
     with strategy.scope():
         other = keras_dist.DistributedModel.from_model(
             keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)]),
@@ -497,6 +483,13 @@ def test_backup_of_another_model_is_an_error(mirrored, tmp_path):
             loss="mse",
             metrics=["mae"],
         )
+    return other
+
+
+def test_backup_of_another_model_is_an_error(mirrored, tmp_path):
+    strategy = mirrored(2)
+    inputs = crashed_backup(strategy, tmp_path)
+    other = other_model(strategy)
     with pytest.raises(ValueError, match="different model"):
         fit_until(other, str(tmp_path / "b"), inputs)
 
@@ -524,18 +517,7 @@ def test_backup_of_another_model_on_another_replica_count_is_an_error(
     crashed_backup(mirrored(2), tmp_path)
     x, y = data()
     strategy = mirrored(1)
-    with strategy.scope():
-        other = keras_dist.DistributedModel.from_model(
-            keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)]),
-            all_reduce_hook=FP16(),
-        )
-        other.compile(
-            optimizer=keras_dist.GradientAccumulationOptimizer(
-                keras.optimizers.Adam(0.01), accumulation_steps=2
-            ),
-            loss="mse",
-            metrics=["mae"],
-        )
+    other = other_model(strategy)
     with pytest.raises(ValueError, match="different model"):
         fit_until(other, str(tmp_path / "b"), PIPELINES["epochs"](x, y)[0])
 

@@ -14,6 +14,7 @@ import pytest
 import sharding_workers
 import tensorflow as tf
 from helpers import (
+    Boom,
     assert_config_round_trip,
     compile_model,
     make_data,
@@ -179,17 +180,6 @@ def test_a_keras_file_saved_on_two_replicas_resumes_on_four(tmp_path, mirrored):
     assert max_abs_diff(plain.get_weights(), model.get_weights()) == 0
 
 
-class _Crash(keras.callbacks.Callback):
-    def __init__(self, at):
-        super().__init__()
-        self.at, self.seen = at, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.at:
-            raise KeyboardInterrupt("crash")
-
-
 def test_backup_and_restore_resumes_sharded_accumulation_exactly(tmp_path, mirrored):
     strategy = mirrored(2)
     x, y = make_data(n=EXAMPLES)
@@ -202,7 +192,7 @@ def test_backup_and_restore_resumes_sharded_accumulation_exactly(tmp_path, mirro
             )
         callbacks = [BackupAndRestore(str(tmp_path / folder), save_freq=5)]
         if crash_at:
-            callbacks.append(_Crash(crash_at))
+            callbacks.append(Boom(crash_at))
         try:
             model.fit(
                 x,

@@ -14,13 +14,11 @@ the one-device unsharded run's to 1e-6 too.
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import sharding_fault_worker as worker
-from helpers import REPO_ROOT, max_abs_diff
+from helpers import REPO_ROOT, launch_workers, max_abs_diff
 
 WORKER = os.path.join(REPO_ROOT, "tests", "sharding_fault_worker.py")
 LAUNCH_TIMEOUT = 600
@@ -28,22 +26,11 @@ LAUNCH_TIMEOUT = 600
 
 def launch(tmp, *args, max_restarts=0):
     """Runs the worker script on 2 workers; returns (status, output)."""
-    command = [
-        *(sys.executable, "-m", "keras_dist", "launch", "--workers", "2"),
-        *("--max-restarts", str(max_restarts), "--"),
-        *(sys.executable, WORKER, str(tmp / "out"), str(tmp / "b"), *args),
-    ]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("TF_CONFIG", None)
-    done = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO_ROOT,
-        timeout=LAUNCH_TIMEOUT,
+    return launch_workers(
+        ("--workers", "2", "--max-restarts", str(max_restarts)),
+        (WORKER, str(tmp / "out"), str(tmp / "b"), *args),
+        LAUNCH_TIMEOUT,
     )
-    return done.returncode, done.stdout + done.stderr
 
 
 def weights(folder):
