@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 import weakref
 
 import keras
@@ -33,7 +32,6 @@ from keras_dist import state as state_lib
 from keras_dist._fit_data import BatchesFitData
 from keras_dist._validation import check_bool, check_choice, check_int, check_real
 from keras_dist.core import statistics as _gradient_statistics
-from keras_dist.core.optimizer_view import nested_optimizers
 from keras_dist.noise_scale import (
     NoiseScaleController,
     NoiseScaleMeasurement,
@@ -46,7 +44,11 @@ from keras_dist.optimizers import (
     check_one_accumulator,
     find_accumulator,
 )
-from keras_dist.schedules import ScaledLearningRate, find_scaled_schedule
+from keras_dist.schedules import (
+    ScaledLearningRate,
+    find_scaled_schedule,
+    has_float_learning_rate,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -418,7 +420,7 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
                 "Pass `steps_per_epoch` to `fit`, or use `warmup_steps`."
             )
         schedule = find_scaled_schedule(optimizer)
-        float_rate = schedule is None and _has_float_learning_rate(optimizer)
+        float_rate = schedule is None and has_float_learning_rate(optimizer)
         if schedule is None and not float_rate and self.lr_scaling is not None:
             raise TypeError(
                 "AutoScaleBatch cannot rescale this optimizer's learning rate, "
@@ -728,8 +730,3 @@ def _pending_micro_steps(accumulator):
     if accumulator is not None and accumulator.built:
         return int(accumulator.pending_micro_steps.numpy())
     return 0
-
-
-def _has_float_learning_rate(optimizer):
-    innermost = list(nested_optimizers(optimizer))[-1]
-    return isinstance(innermost.get_config().get("learning_rate"), numbers.Real)

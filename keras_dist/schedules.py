@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import keras
 import tensorflow as tf
 
@@ -77,3 +79,10 @@ def find_scaled_schedule(optimizer):
         if schedule is not None:
             return schedule
     return None
+
+
+def has_float_learning_rate(optimizer) -> bool:
+    """Whether `optimizer` (through its wrappers) has a float learning rate,
+    not a `LearningRateSchedule`: one that can be assigned a new value."""
+    innermost = list(nested_optimizers(optimizer))[-1]
+    return isinstance(innermost.get_config().get("learning_rate"), numbers.Real)

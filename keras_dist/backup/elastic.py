@@ -29,14 +29,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 
 import keras
 
 from keras_dist.backup.store import BackupError
 from keras_dist.core import topology
 from keras_dist.core.inventory import PER_REPLICA, reshard
-from keras_dist.core.optimizer_view import nested_optimizers
+from keras_dist.schedules import has_float_learning_rate
 
 logger = logging.getLogger(__name__)
 
@@ -264,8 +263,7 @@ def apply(model, resize: Resize, accumulator, autoscale) -> None:
         )
         return
     optimizer = model.optimizer
-    rate = _float_learning_rate(optimizer)
-    if rate is None:
+    if not has_float_learning_rate(optimizer):
         raise BackupError(
             f"Elastic resume: {resize.describe()}. The update batch changes "
             f"(x{factor:.4g}) and the learning rate must follow it, but it is "
@@ -274,6 +272,7 @@ def apply(model, resize: Resize, accumulator, autoscale) -> None:
             "or pick worker counts whose step batch divides "
             f"{resize.update_batch[0]}."
         )
+    rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
     optimizer.learning_rate = rate * factor
     logger.warning(
         "BackupAndRestore: the update batch cannot be held (%d is not a "
@@ -285,11 +284,3 @@ def apply(model, resize: Resize, accumulator, autoscale) -> None:
         rate * factor,
         factor,
     )
-
-
-def _float_learning_rate(optimizer) -> float | None:
-    """The optimizer's learning rate when it is a float, else `None`."""
-    innermost = list(nested_optimizers(optimizer))[-1]
-    if not isinstance(innermost.get_config().get("learning_rate"), numbers.Real):
-        return None
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
