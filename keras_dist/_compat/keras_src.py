@@ -376,6 +376,14 @@ def epoch_iterator_input(epoch_iterator) -> tuple[str, int | None]:
         if not isinstance(dataset, tf.data.Dataset):
             return "a distributed dataset", None
         return "tf.data", _tf_internal.dataset_batch_size(dataset)
+    if name == "PyDatasetAdapter":
+        # Its batches are the dataset's own: the first one's size (indexing
+        # a PyDataset reads that batch; the iteration is not disturbed).
+        first = adapter.py_dataset[0]
+        inputs = first[0] if isinstance(first, tuple) else first
+        leaves = keras.tree.flatten(inputs)
+        size = getattr(leaves[0], "shape", [None])[0] if leaves else None
+        return "PyDataset", None if size is None else int(size)
     return name, None
 
 

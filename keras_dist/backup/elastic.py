@@ -128,11 +128,11 @@ def plan(manifest: dict, strategy, data: tuple, spx: int, where: str) -> Resize:
         raise BackupError(
             f"{layout}. Going on with another number needs the global batch "
             f"of this run's input, which keras_dist cannot tell for {kind}. "
-            "Resume on another number of workers from NumPy arrays or a "
+            "Resume on another number of workers from NumPy arrays, a "
             "batched tf.data.Dataset (`.batch(n)`, last in the pipeline but "
-            "for `repeat`/`prefetch`), with keras_dist.DistributedModel "
-            "(`DistributedModel.from_model(model)`); or resume with "
-            f"{workers[0]} worker(s)."
+            "for `repeat`/`prefetch`) or a keras.utils.PyDataset, with "
+            "keras_dist.DistributedModel (`DistributedModel.from_model(model)`"
+            f"); or resume with {workers[0]} worker(s)."
         )
     accumulation = manifest.get("accumulation")
     saved_steps = accumulation["steps"] if accumulation else 1

@@ -18,6 +18,7 @@ from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
 from keras_dist.core.topology import count_workers
 from keras_dist.parameter_server import training as _parameter_server
+from keras_dist.trainer import inputs
 
 
 class FitMixin:
@@ -58,6 +59,9 @@ class FitMixin:
         # are batched at its per_replica_batch_size x num_replicas_in_sync.
         args, kwargs = _fit_data.prepare_fit_arguments(self, args, kwargs)
         values = _compat.bind_fit_arguments(self, args, kwargs)
+        # TensorFlow may write into the numpy arrays a PyDataset yields.
+        values["x"] = inputs.own_batches(values.get("x"))
+        values["validation_data"] = inputs.own_batches(values.get("validation_data"))
         # BackupAndRestore first; Keras's file-writing callbacks write the
         # shared path on the chief only.
         values["callbacks"], finish = fit_callbacks(self, values.get("callbacks"))
@@ -95,13 +99,17 @@ class FitMixin:
         if _parameter_server.is_parameter_server(self.distribute_strategy):
             values = _bind(keras.Model.evaluate, args, kwargs)
             return _parameter_server.evaluate(self, **values)
-        return super().evaluate(*args, **kwargs)
+        values = _bind(keras.Model.evaluate, args, kwargs)
+        values["x"] = inputs.own_batches(values.get("x"))
+        return super().evaluate(**values)
 
     def predict(self, *args, **kwargs):
         if _parameter_server.is_parameter_server(self.distribute_strategy):
             values = _bind(keras.Model.predict, args, kwargs)
             return _parameter_server.predict(self, **values)
-        return super().predict(*args, **kwargs)
+        values = _bind(keras.Model.predict, args, kwargs)
+        values["x"] = inputs.own_batches(values.get("x"))
+        return super().predict(**values)
 
 
 def fit_callbacks(model, callbacks):
