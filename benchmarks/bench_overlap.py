@@ -16,7 +16,14 @@ sends nothing ("local": the compute alone, so the communication time is
   -10), global batch 16: communication dominates;
 - `deep`: 32 Dense(512) layers (8.4M parameters in 66 tensors of at most
   1 MiB), global batch 1024: many small buckets, where the cost of each
-  collective launch shows.
+  collective launch shows;
+- `balanced_backwards`: `balanced` as a subclassed model whose layers are
+  created in the reverse of the order they are called in, so its
+  `trainable_variables` list the last layer first. Buckets follow the order
+  the traced backward pass computes the gradients (`4m`); `4m_listed` is
+  the plan of the list instead (the reverse of `trainable_variables`,
+  keras_dist before it read the order from the graph), which sends the
+  first layer's gradients, computed last, first.
 
 The configurations alternate in `--rounds` rounds inside the same two worker
 processes (each model is traced once), so a change in the machine's load
@@ -54,13 +61,18 @@ MODELS = {
     "balanced": (1024, [1024] * 8, 2048),
     "mlp21m": (1024, [4096, 4096], 16),
     "deep": (512, [512] * 32, 1024),
+    "balanced_backwards": (1024, [1024] * 8, 2048),
 }
+# Subclassed, layers created last-called first (see the module docstring).
+BACKWARDS = {"balanced_backwards"}
 BUCKETS = {
     "none": None,
     "1m": 2**20,
     "4m": 4 * 2**20,
     "16m": 16 * 2**20,
     "25m": 25 * 2**20,
+    # 4 MiB, planned over the list of variables, not the traced order.
+    "4m_listed": 4 * 2**20,
 }
 CONDITIONS = {
     "shaped": {"shaped": True, "threads": None},
@@ -128,8 +140,43 @@ def make_hook(tf, compression, hook, config):
     if config == "local":
         return LocalOnly()
     if hook == "powersgd":
-        return compression.PowerSGD(rank=4, start_step=0, bucket_bytes=BUCKETS[config])
-    return getattr(compression, HOOKS[hook])(BUCKETS[config])
+        made = compression.PowerSGD(rank=4, start_step=0, bucket_bytes=BUCKETS[config])
+    else:
+        made = getattr(compression, HOOKS[hook])(BUCKETS[config])
+    if config.endswith("_listed"):
+        # The plan of the list of variables: keras_dist's aggregation path
+        # hands the hook the traced order through this method.
+        made._set_ready_order = lambda order: None
+    return made
+
+
+def build_backwards(keras, keras_dist, width, hidden, hook, learning_rate):
+    """`harness.build_mlp`'s model as a subclass whose layers are created
+    in the reverse of the order they are called in."""
+    keras.utils.set_random_seed(0)
+
+    class Backwards(keras_dist.DistributedModel):
+        def __init__(self):
+            super().__init__()
+            # Created head first: `trainable_variables` lists it first.
+            self.stack = [keras.layers.Dense(10)] + [
+                keras.layers.Dense(units, activation="relu")
+                for units in reversed(hidden)
+            ]
+
+        def call(self, x):
+            for layer in reversed(self.stack):
+                x = layer(x)
+            return x
+
+    model = Backwards()
+    model.register_all_reduce_hook(hook)
+    model(keras.ops.zeros((1, width)))
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
 
 
 def worker_main(job):
@@ -155,8 +202,9 @@ def worker_main(job):
         models = {}
         for config in configs:
             hook = make_hook(tf, keras_dist.compression, job["hook"], config)
+            build = build_backwards if model_name in BACKWARDS else harness.build_mlp
             with strategy.scope():
-                model = harness.build_mlp(keras, keras_dist, width, hidden, hook, 1e-4)
+                model = build(keras, keras_dist, width, hidden, hook, 1e-4)
             start = time.perf_counter()
             model.fit(dataset, epochs=1, steps_per_epoch=3, verbose=0)
             models[config] = (model, time.perf_counter() - start)

@@ -34,6 +34,7 @@ from keras_dist.compression import (
     all_reduce_sum,
     plan_buckets,
 )
+from keras_dist.core import collectives as plan_module
 from keras_dist.core import plain as plain_module
 from keras_dist.testing import run_workers
 
@@ -243,6 +244,109 @@ def test_fit_with_buckets_equals_one_device(mirrored, bucket_bytes):
         )
         bucketed = fit(model_fn, mirrored(2), NoCompression(bucket_bytes), inputs, y)
         assert max_abs_diff(reference, bucketed) < 1e-5
+
+
+class CreatedBackwards(keras_dist.DistributedModel):
+    """Layers created in the reverse of the order they are called in, so
+    `trainable_variables` lists the last layer first."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = keras.layers.Dense(3, name="head")
+        self.middle = keras.layers.Dense(32, activation="tanh", name="middle")
+        self.stem = keras.layers.Dense(32, activation="tanh", name="stem")
+
+    def call(self, x):
+        return self.head(self.middle(self.stem(x)))
+
+
+class RecordingPlan(NoCompression):
+    """Records, per traced `reduce`, the layer of each bucket's variables."""
+
+    def __init__(self, bucket_bytes):
+        super().__init__(bucket_bytes=bucket_bytes)
+        self.plans = []
+
+    def reduce(self, gradients, variables):
+        plan = self.buckets(gradients)
+        self.plans.append(
+            [[variables[p].path.split("/")[-2] for p in bucket] for bucket in plan]
+        )
+        return super().reduce(gradients, variables)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_buckets_follow_the_order_the_backward_pass_computes(mirrored, replicas):
+    # Walking `trainable_variables` backwards would send the stem (computed
+    # last) first and hold every other bucket behind it; the plan read from
+    # the traced step sends the head first, as the backward pass computes it.
+    x, y = make_data(n=32)
+    hook = RecordingPlan(bucket_bytes=1)
+    with mirrored(replicas).scope():
+        model = compile_model(CreatedBackwards(), keras.optimizers.SGD(0.1))
+        model.register_all_reduce_hook(hook)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert model.trainable_variables[0].path.split("/")[-2] == "head"
+    assert hook.plans
+    for plan in hook.plans:
+        layers = [bucket[0] for bucket in plan]
+        assert layers == ["head", "head", "middle", "middle", "stem", "stem"]
+
+
+def test_a_model_listed_in_call_order_keeps_the_reverse_plan(mirrored):
+    x, y = make_data(n=32)
+    hook = RecordingPlan(bucket_bytes=1)
+    with mirrored(2).scope():
+        model = compile_model(
+            mlp(keras_dist.DistributedModel), keras.optimizers.SGD(0.1)
+        )
+        model.register_all_reduce_hook(hook)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    specs = [spec(*v.shape) for v in model.trainable_variables]
+    names = [v.path.split("/")[-2] for v in model.trainable_variables]
+    expected = [[names[p] for p in bucket] for bucket in plan_buckets(specs, 1)]
+    assert hook.plans and all(plan == expected for plan in hook.plans)
+
+
+def test_fit_of_a_model_listed_backwards_with_buckets_equals_one_device(mirrored):
+    x, y = make_data()
+
+    def train(strategy, hook):
+        with strategy.scope():
+            model = compile_model(
+                CreatedBackwards(), keras.optimizers.SGD(0.1, momentum=0.9)
+            )
+            model.register_all_reduce_hook(hook)
+            model(x[:1])
+        model.set_weights(initial)
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    keras.utils.set_random_seed(3)
+    first = CreatedBackwards()
+    first(x[:1])
+    initial = first.get_weights()
+    reference = train(tf.distribute.get_strategy(), NoCompression())
+    bucketed = train(mirrored(2), NoCompression(bucket_bytes=600))
+    assert max_abs_diff(reference, bucketed) < 1e-5
+
+
+def test_ready_order_is_the_order_the_graph_creates_them():
+    @tf.function
+    def trace():
+        a = tf.constant(1.0)
+        b = a * 2.0
+        c = b + 1.0
+        order = plan_module.ready_order([c, a, b, tf.IndexedSlices(b, [0])])
+        sizes.append(order)
+        return c
+
+    sizes = []
+    trace()
+    assert sizes == [[1, 2, 3, 0]]
+    assert plan_module.ready_order([tf.constant(1.0)]) is None
+    with pytest.raises(ValueError, match="every position"):
+        plan_buckets([spec(1), spec(2)], 1, order=[0, 0])
 
 
 # --- The overlap structure, in 2 real worker processes -----------------------

@@ -17,7 +17,7 @@ import logging
 
 import tensorflow as tf
 
-from keras_dist.core.collectives import all_reduce, replica_context
+from keras_dist.core.collectives import all_reduce, ready_order, replica_context
 from keras_dist.core.hooks import AllReduceHook, _variable_name
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,9 @@ def reduce_gradients(gradients, variables, hook, batch_size=None, view=None):
     pairs = [(g, v) for g, v in zip(gradients, variables) if g is not None]
     if not pairs:
         return [], [], []
+    # Buckets follow the order the backward pass computes the gradients in,
+    # read from the graph before anything else touches them.
+    hook._set_ready_order(ready_order([g for g, _ in pairs]))
     grads = [as_gradient(g) for g, _ in pairs]
     trainable = [v for _, v in pairs]
     if batch_size is not None:

@@ -15,7 +15,7 @@ In replica context (inside `strategy.run`): `all_reduce`,
 `all_gather`, `all_gather_pairs` (index/value pairs bit-packed into one
 int32 collective), `reduce_scatter` (for sharded optimizer state). In
 cross-replica context: `reduce_across`,
-`gather_across`. Buckets: `plan_buckets`.
+`gather_across`. Buckets: `plan_buckets`, `ready_order`.
 
 Every replica must issue the same collectives in the same order, or the job
 deadlocks: never call these inside a `tf.cond` or loop that runs in replica
@@ -415,7 +415,7 @@ def check_bucket_bytes(bucket_bytes, argument="bucket_bytes"):
     )
 
 
-def plan_buckets(tensors, bucket_bytes) -> list:
+def plan_buckets(tensors, bucket_bytes, order=None) -> list:
     """Groups gradients into the buckets that hooks reduce one at a time.
 
     The backward pass computes the last layers' gradients first. Reducing
@@ -435,11 +435,20 @@ def plan_buckets(tensors, bucket_bytes) -> list:
     tensor was reached, so the plan depends only on shapes and dtypes: the
     same on every replica and worker, as the collectives require.
 
+    The backward pass does not always produce the gradients in the reverse
+    order of the list: a subclassed model lists its variables in the order
+    its layers were created, not called. `order` gives the real one; the
+    aggregation path reads it from the traced graph (`ready_order`), the
+    order DDP measures in its first iteration and rebuilds its buckets by.
+
     Args:
         tensors: List of tensors, `tf.IndexedSlices` or `VariableSpec`s, in
             the order of the model's variables (forward order).
         bucket_bytes: Int or `None`. `None`: one bucket per dtype, in input
             order (one collective per dtype after the whole backward pass).
+        order: List of the positions of `tensors` in the order they become
+            ready (computed first first), or `None` for the reverse of the
+            list. Must be the same on every replica and worker.
 
     Returns:
         A list of buckets, each a non-empty list of positions into
@@ -454,10 +463,17 @@ def plan_buckets(tensors, bucket_bytes) -> list:
             else:
                 groups.setdefault(tf.as_dtype(tensor.dtype), []).append(position)
         return list(groups.values())
+    if order is None:
+        order = reversed(range(len(tensors)))
+    elif sorted(order) != list(range(len(tensors))):
+        raise ValueError(
+            "`order` must list every position of `tensors` once. Received: "
+            f"order={list(order)} for {len(tensors)} tensors."
+        )
     closed = []
     open_buckets: dict = {}
     sizes: dict = {}
-    for position in reversed(range(len(tensors))):
+    for position in order:
         tensor = tensors[position]
         if is_sparse(tensor):
             closed.append([position])
@@ -474,6 +490,36 @@ def plan_buckets(tensors, bucket_bytes) -> list:
             del open_buckets[dtype]
             sizes[dtype] = 0
     return closed
+
+
+def ready_order(tensors) -> list | None:
+    """The positions of `tensors` in the order a traced graph computes them.
+
+    The order in which their ops were added to the graph being traced: a
+    gradient tape adds the backward pass's ops as it walks back from the
+    loss, so a gradient created earlier is ready earlier. Identical on every
+    replica and worker that traces the same step. Ties (outputs of one op)
+    keep the list order.
+
+    Args:
+        tensors: List of tensors or `tf.IndexedSlices` (gradients).
+
+    Returns:
+        A list of positions for `plan_buckets(..., order=...)`, or `None`
+        when the tensors are not all in one graph (eager execution).
+    """
+    ops = []
+    for tensor in tensors:
+        if is_sparse(tensor):
+            tensor = tensor.values
+        if not tf.is_symbolic_tensor(tensor):
+            return None
+        ops.append(tensor.op)
+    if not ops or any(op.graph is not ops[0].graph for op in ops):
+        return None
+    created = {op.name: index for index, op in enumerate(ops[0].graph.get_operations())}
+    ranks = [created[op.name] for op in ops]
+    return sorted(range(len(ranks)), key=lambda position: (ranks[position], position))
 
 
 def _nbytes(tensor) -> int:

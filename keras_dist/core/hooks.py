@@ -154,7 +154,12 @@ class AllReduceHook(tf.Module):
         # state variables in `_state` are checkpoint dependencies, under
         # the keys `_state/<name>`.
         self._book = types.SimpleNamespace(
-            specs=(), variables=(), index_by_id={}, reduced=(), per_variable=set()
+            specs=(),
+            variables=(),
+            index_by_id={},
+            reduced=(),
+            per_variable=set(),
+            ready_order=None,
         )
         self._state = {}
 
@@ -203,10 +208,15 @@ class AllReduceHook(tf.Module):
     def buckets(self, tensors) -> list:
         """Groups `tensors` into this hook's buckets, in the order to reduce.
 
-        `plan_buckets(tensors, self.bucket_bytes)`: a hook issues one
-        collective per bucket, bucket after bucket, so that the last
-        layers' gradients (computed first by the backward pass) travel
-        while the first layers' are still being computed. With
+        `plan_buckets(tensors, self.bucket_bytes, order)`: a hook issues
+        one collective per bucket, bucket after bucket, so that the
+        gradients the backward pass computes first travel while the others
+        are still being computed. `order` is the order in which the traced
+        step computes the gradients of the current `reduce`, which
+        keras_dist's aggregation path reads from the graph before it calls
+        `reduce` (`keras_dist.core.collectives.ready_order`); without it
+        (eagerly, or `tensors` of another length) the reverse of the
+        model's variables. With
         `bucket_bytes=None`, a hook whose class sets `one_bucket_without_size
         = True` (`TopK`, `DGC`, `PowerSGD`: their payloads share one buffer
         whatever the dtype) gets one bucket of every tensor instead of one
@@ -221,7 +231,16 @@ class AllReduceHook(tf.Module):
         """
         if self._bucket_bytes is None and self.one_bucket_without_size:
             return [list(range(len(tensors)))] if len(tensors) else []
-        return plan_buckets(tensors, self._bucket_bytes)
+        order = self._book.ready_order
+        if order is not None and len(order) != len(tensors):
+            order = None
+        return plan_buckets(tensors, self._bucket_bytes, order=order)
+
+    def _set_ready_order(self, order) -> None:
+        # The same on every replica (read from each one's own trace of the
+        # same step), so the replica threads of a MirroredStrategy may set
+        # it in turn.
+        self._book.ready_order = None if order is None else tuple(order)
 
     @property
     def variable_specs(self) -> tuple:
