@@ -40,35 +40,32 @@ import dataclasses
 import functools
 import logging
 import os
-import shutil
-import signal
-import threading
 from collections.abc import Mapping
 
 import tensorflow as tf
 
 from keras_dist import cluster as cluster_lib
+from keras_dist._strategies import MAX_CPU_REPLICAS as MAX_CPU_REPLICAS
+from keras_dist._strategies import TPU_ENV_VARS as TPU_ENV_VARS
+from keras_dist._strategies import (
+    check_cpu_replicas,
+    cpu_mirrored,
+    env_int,
+    multi_worker,
+    parameter_server_strategy,
+    slurm_resolver,
+    tpu_strategy,
+    tpu_target,
+)
 from keras_dist._validation import check_int, check_real
 from keras_dist.core import collectives, topology
-from keras_dist.parameter_server import serving
 
 logger = logging.getLogger(__name__)
 
-TPU_ENV_VARS = ("KERAS_DIST_TPU", "TPU_NAME", "COLAB_TPU_ADDR")
 STARTUP_TIMEOUT_ENV_VAR = "KERAS_DIST_STARTUP_TIMEOUT"
 COLLECTIVE_TIMEOUT_ENV_VAR = cluster_lib.COLLECTIVE_TIMEOUT_ENV_VAR
 # Seconds a multi-process strategy waits for the other tasks to start.
 DEFAULT_STARTUP_TIMEOUT = 300.0
-# Logical CPU devices `cpu_replicas` may ask for. Every one costs TensorFlow
-# thread pools and start-up time; thousands take minutes to create.
-MAX_CPU_REPLICAS = 256
-
-_SLURM_STEP_VARS = (
-    "SLURM_PROCID",
-    "SLURM_STEP_NUM_TASKS",
-    "SLURM_STEP_NODELIST",
-    "SLURM_STEP_TASKS_PER_NODE",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +130,7 @@ def describe_choice(
                    resolver='SlurmClusterResolver')
     ```
     """
-    cpu_replicas = _check_cpu_replicas(cpu_replicas)
+    cpu_replicas = check_cpu_replicas(cpu_replicas)
     num_gpus = check_int(
         "num_gpus",
         num_gpus,
@@ -165,7 +162,7 @@ def describe_choice(
             "device(s)",
         )
 
-    tpu = _tpu_target(env)
+    tpu = tpu_target(env)
     if tpu is not None:
         variable, value, _ = tpu
         return StrategyChoice(
@@ -329,7 +326,7 @@ def auto_strategy(
     model.fit(dataset)
     ```
     """
-    cpu_replicas = _check_cpu_replicas(cpu_replicas)
+    cpu_replicas = check_cpu_replicas(cpu_replicas)
     startup_timeout = check_real(
         "startup_timeout",
         startup_timeout,
@@ -354,19 +351,19 @@ def auto_strategy(
         communication_options, collective_timeout
     )
     if cpu_replicas is not None:
-        return _cpu_mirrored(cpu_replicas, cross_device_ops)
+        return cpu_mirrored(cpu_replicas, cross_device_ops)
     if choice.name == "TPUStrategy":
-        return _tpu_strategy(os.environ, _startup_timeout(startup_timeout))
+        return tpu_strategy(os.environ, _startup_timeout(startup_timeout))
     if choice.name == "ParameterServerStrategy":
-        return _parameter_server_strategy(variable_partitioner)
+        return parameter_server_strategy(variable_partitioner)
     if choice.resolver == "SlurmClusterResolver":
-        return _multi_worker(
-            _slurm_resolver(os.environ),
+        return multi_worker(
+            slurm_resolver(os.environ),
             _startup_timeout(startup_timeout),
             communication_options,
         )
     if choice.name == "MultiWorkerMirroredStrategy":
-        return _multi_worker(
+        return multi_worker(
             tf.distribute.cluster_resolver.TFConfigClusterResolver(),
             _startup_timeout(startup_timeout),
             communication_options,
@@ -493,34 +490,6 @@ def _startup_timeout(startup_timeout):
     )
 
 
-def _multi_worker(
-    resolver, startup_timeout: float, communication_options=None
-) -> tf.distribute.Strategy:
-    """Waits for the other tasks, then builds MultiWorkerMirroredStrategy."""
-    cluster_lib.wait_for_cluster(
-        resolver.cluster_spec().as_dict(),
-        startup_timeout,
-        resolver.task_type,
-        resolver.task_id,
-    )
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if in_main_thread else None
-    options = (
-        {}
-        if communication_options is None
-        else {"communication_options": communication_options}
-    )
-    built = tf.distribute.MultiWorkerMirroredStrategy(
-        cluster_resolver=resolver, **options
-    )
-    # TensorFlow's coordination service has installed a C handler that only
-    # records SIGTERM (a preemption notice), so the process would not stop.
-    # `previous` is `None` when Python did not know the handler before.
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
-    return built
-
-
 def _cluster_choice(env, tf_config):
     """Returns (multi-process StrategyChoice or None, note for local choices)."""
     if tf_config is not None:
@@ -561,8 +530,8 @@ def _cluster_choice(env, tf_config):
         # An explicit single-task TF_CONFIG wins over SLURM variables.
         return None, f"TF_CONFIG names {num_training} training task(s)"
 
-    step_tasks = _env_int(env, "SLURM_STEP_NUM_TASKS")
-    job_tasks = _env_int(env, "SLURM_NTASKS")
+    step_tasks = env_int(env, "SLURM_STEP_NUM_TASKS")
+    job_tasks = env_int(env, "SLURM_NTASKS")
     if step_tasks is not None:
         if step_tasks > 1:
             return StrategyChoice(
@@ -595,131 +564,3 @@ def _require_task(task, spec) -> None:
             "`keras_dist.cluster.make_tf_config(cluster, 'worker', index)`. "
             f"Received: cluster={spec!r}."
         )
-
-
-def _env_int(env, name):
-    """Returns the task count in variable `name`, or `None` when unset."""
-    text = env.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < 1:
-        raise ValueError(
-            f"The environment variable {name} must be an integer >= 1 (a "
-            f"number of SLURM tasks). Received: {name}={text!r}. Unset it or "
-            "fix the job script."
-        )
-    return value
-
-
-def _tpu_target(env):
-    """Returns (variable, value, TPUClusterResolver `tpu` argument) or None."""
-    for variable in TPU_ENV_VARS:
-        value = env.get(variable, "").strip()
-        if value:
-            if variable == "COLAB_TPU_ADDR" and "://" not in value:
-                return variable, value, f"grpc://{value}"
-            return variable, value, value
-    return None
-
-
-def _check_cpu_replicas(cpu_replicas):
-    return check_int(
-        "cpu_replicas",
-        cpu_replicas,
-        minimum=1,
-        maximum=MAX_CPU_REPLICAS,
-        allow_none=True,
-        hint="It is the number of logical CPU devices to mirror over.",
-    )
-
-
-def _cpu_mirrored(cpu_replicas: int, cross_device_ops=None) -> tf.distribute.Strategy:
-    if cpu_replicas > 1:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        configured = tf.config.get_logical_device_configuration(cpu)
-        available = len(configured) if configured else 1
-        if available < cpu_replicas:
-            try:
-                tf.config.set_logical_device_configuration(
-                    cpu, [tf.config.LogicalDeviceConfiguration()] * cpu_replicas
-                )
-            except RuntimeError as error:
-                raise RuntimeError(
-                    f"`cpu_replicas={cpu_replicas}` needs {cpu_replicas} logical "
-                    f"CPU devices, but TensorFlow is already initialised with "
-                    f"{available} (TensorFlow said: {error}). Call "
-                    f"`keras_dist.auto_strategy(cpu_replicas={cpu_replicas})` "
-                    "first, before any tensor, model or strategy is created, or "
-                    f"ask for at most {available} replica(s)."
-                ) from error
-    devices = [f"/cpu:{index}" for index in range(cpu_replicas)]
-    # NCCL cannot reduce between CPU devices; say so instead of letting
-    # MirroredStrategy warn about it.
-    return tf.distribute.MirroredStrategy(
-        devices,
-        cross_device_ops=cross_device_ops or tf.distribute.ReductionToOneDevice(),
-    )
-
-
-def _tpu_strategy(env, startup_timeout: float) -> tf.distribute.Strategy:
-    variable, value, tpu = _tpu_target(env)
-    try:
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
-        # Connecting to an address where no TPU answers blocks forever.
-        cluster_lib.wait_for_cluster(
-            resolver.cluster_spec().as_dict(),
-            startup_timeout,
-            task_types=sorted(resolver.cluster_spec().jobs),
-        )
-        tf.config.experimental_connect_to_cluster(resolver)
-        tf.tpu.experimental.initialize_tpu_system(resolver)
-    except Exception as error:
-        raise RuntimeError(
-            f"{variable}={value!r} is set, but no TPU could be reached through "
-            f"it ({type(error).__name__}: {error}). Fix {variable}, or unset it "
-            "to train on GPUs or CPUs."
-        ) from error
-    return tf.distribute.TPUStrategy(resolver)
-
-
-def _parameter_server_strategy(variable_partitioner) -> tf.distribute.Strategy:
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    if resolver.task_type in ("worker", "ps"):
-        # The chief's coordinator drives this task; it only serves, until the
-        # launcher (or the cluster's job controller) stops it.
-        serving.serve(
-            resolver.cluster_spec(),
-            resolver.task_type,
-            resolver.task_id,
-            protocol=resolver.rpc_layer or "grpc",
-        )
-        # `serve` does not return; were it to, the script must still not go
-        # on to train as if it were the coordinator.
-        raise SystemExit(0)
-    return tf.distribute.experimental.ParameterServerStrategy(
-        resolver, variable_partitioner=variable_partitioner
-    )
-
-
-def _slurm_resolver(env):
-    missing = [name for name in _SLURM_STEP_VARS if not env.get(name)]
-    if missing:
-        raise RuntimeError(
-            "The SLURM allocation has several tasks, but this process was not "
-            f"started as one of them ({', '.join(missing)} unset). Start one "
-            "process per task with `srun`, e.g. `srun python train.py`."
-        )
-    resolver_lib = tf.distribute.cluster_resolver
-    if "CUDA_VISIBLE_DEVICES" in env or shutil.which("nvidia-smi"):
-        return resolver_lib.SlurmClusterResolver()
-    # SlurmClusterResolver counts GPUs with nvidia-smi and gives each task a
-    # port per GPU slot, so on CPU nodes it fails or finds no task at all.
-    # One slot per task, with CUDA_VISIBLE_DEVICES left alone, fixes that.
-    num_tasks = _env_int(env, "SLURM_STEP_NUM_TASKS")
-    return resolver_lib.SlurmClusterResolver(
-        gpus_per_node=num_tasks, gpus_per_task=1, auto_set_gpu=False
-    )

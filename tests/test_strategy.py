@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 from helpers import run_python
 
-from keras_dist import cluster, strategy
+from keras_dist import _strategies, cluster, strategy
 
 ENV_VARS = (
     "TF_CONFIG",
@@ -262,7 +262,7 @@ def test_empty_tpu_variable_is_ignored(nothing_is_built):
 
 
 def test_colab_address_gets_grpc_scheme():
-    assert strategy._tpu_target({"COLAB_TPU_ADDR": "10.0.0.2:8470"}) == (
+    assert _strategies.tpu_target({"COLAB_TPU_ADDR": "10.0.0.2:8470"}) == (
         "COLAB_TPU_ADDR",
         "10.0.0.2:8470",
         "grpc://10.0.0.2:8470",
@@ -494,7 +494,7 @@ def _slurm_step(monkeypatch, rank):
 def test_slurm_on_cpu_nodes(monkeypatch, clean_env, recorded):
     _slurm_step(monkeypatch, rank=1)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(strategy.shutil, "which", lambda name: None)
+    monkeypatch.setattr(_strategies.shutil, "which", lambda name: None)
     assert strategy.auto_strategy() == "MultiWorkerMirroredStrategy"
     resolver = recorded[0][2]["cluster_resolver"]
     spec = resolver.cluster_spec().as_dict()
@@ -507,7 +507,7 @@ def test_slurm_on_cpu_nodes(monkeypatch, clean_env, recorded):
 def test_slurm_on_gpu_nodes_assigns_gpus(monkeypatch, clean_env):
     _slurm_step(monkeypatch, rank=1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    resolver = strategy._slurm_resolver(os.environ)
+    resolver = _strategies.slurm_resolver(os.environ)
     assert len(resolver.cluster_spec().as_dict()["worker"]) == 2
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
 

@@ -33,6 +33,7 @@ LAYERS = [
             "keras_dist.launcher.",
             "keras_dist.parameter_server",
             "keras_dist.parameter_server.serving",
+            "keras_dist._strategies",
         ],
     ),
     ("core (no Keras)", ["keras_dist.core", "keras_dist.core."]),

@@ -37,12 +37,12 @@ from keras_dist.core.collectives import plan_buckets as plan_buckets
 from keras_dist.core.collectives import replica_context as replica_context
 from keras_dist.core.collectives import tensor_bytes as tensor_bytes
 from keras_dist.core.dgc import DGC as DGC
-from keras_dist.core.hooks import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
-from keras_dist.core.hooks import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+from keras_dist.core.hook_types import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
+from keras_dist.core.hook_types import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+from keras_dist.core.hook_types import CompressionStats as CompressionStats
+from keras_dist.core.hook_types import VariableSpec as VariableSpec
+from keras_dist.core.hook_types import zero_if_not_finite as zero_if_not_finite
 from keras_dist.core.hooks import AllReduceHook as AllReduceHook
-from keras_dist.core.hooks import CompressionStats as CompressionStats
-from keras_dist.core.hooks import VariableSpec as VariableSpec
-from keras_dist.core.hooks import zero_if_not_finite as zero_if_not_finite
 from keras_dist.core.plain import NoCompression as NoCompression
 from keras_dist.core.powersgd import PowerSGD as PowerSGD
 from keras_dist.core.topk import TopK as TopK

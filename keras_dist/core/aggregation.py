@@ -18,7 +18,8 @@ import logging
 import tensorflow as tf
 
 from keras_dist.core.collectives import all_reduce, ready_order, replica_context
-from keras_dist.core.hooks import AllReduceHook, _variable_name
+from keras_dist.core.hook_types import variable_name
+from keras_dist.core.hooks import AllReduceHook
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ def _check_reduced(hook, gradients, reduced, variables) -> None:
     for position, (gradient, summed, variable) in enumerate(
         zip(gradients, reduced, variables)
     ):
-        name = _variable_name(variable)
+        name = variable_name(variable)
         if summed is None or not hasattr(summed, "dtype"):
             raise TypeError(
                 f"All-reduce hook {hook!r} returned {summed!r} for gradient "

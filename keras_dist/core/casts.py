@@ -9,11 +9,8 @@ from keras_dist.core.collectives import (
     branch_across,
     replica_context,
 )
-from keras_dist.core.hooks import (
-    DEFAULT_BUCKET_BYTES,
-    AllReduceHook,
-    CompressionStats,
-)
+from keras_dist.core.hook_types import DEFAULT_BUCKET_BYTES, CompressionStats
+from keras_dist.core.hooks import AllReduceHook
 
 
 class _CastCompression(AllReduceHook):

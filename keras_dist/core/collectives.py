@@ -25,6 +25,7 @@ context (branch through `merge_call`, as `PowerSGD` does).
 from __future__ import annotations
 
 import math
+import os
 import threading
 import weakref
 
@@ -77,6 +78,7 @@ def own(strategy=None) -> None:
             if count == 0:
                 # The first keeps TensorFlow's keys: nothing of this process
                 # can have used them for another group of these workers.
+                _subdivide(strategy)
                 _owned[extended] = tf_internal.collective_group_base(strategy)
                 return
             block = _MULTI_WORKER_FIRST_BLOCK + (count - 1) % _BLOCKS_PER_RANGE
@@ -85,7 +87,37 @@ def own(strategy=None) -> None:
             _counts["local"] += 1
             block = _LOCAL_FIRST_BLOCK + count % _BLOCKS_PER_RANGE
         tf_internal.rekey_collectives(strategy, block * _KEY_BLOCK)
+        _subdivide(strategy)
         _owned[extended] = block * _KEY_BLOCK + 1
+
+
+# Pieces a CPU worker's ring all-reduce may split a tensor into (TensorFlow's
+# strategies send each tensor whole): see `tf_internal.subdivide_all_reduces`.
+# Between 2 worker processes 100 MB took 0.38-0.40 s whole, 0.23 s with 8
+# pieces and 0.21 s with 16 to 64 (docs/benchmarks/ddp.md). Environment
+# variable `KERAS_DIST_RING_SUBDIVS`: another maximum, or -1 for TensorFlow's
+# behaviour.
+RING_SUBDIVS = 16
+
+
+def _subdivide(strategy) -> None:
+    if not tf_internal.is_multi_worker(strategy):
+        return
+    value = os.environ.get("KERAS_DIST_RING_SUBDIVS", "").strip()
+    subdivs = RING_SUBDIVS
+    if value:
+        try:
+            subdivs = int(value)
+        except ValueError:
+            subdivs = 0
+        if subdivs == 0 or subdivs < -1:
+            raise ValueError(
+                "KERAS_DIST_RING_SUBDIVS must be a positive int (the most "
+                "pieces a CPU all-reduce splits a tensor into) or -1 "
+                f"(TensorFlow's behaviour, one piece). Received: {value!r}. "
+                f"Unset it for keras_dist's default, {RING_SUBDIVS}."
+            )
+    tf_internal.subdivide_all_reduces(strategy, subdivs)
 
 
 def group_base(strategy) -> int | None:

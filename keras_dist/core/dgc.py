@@ -10,11 +10,8 @@ import tensorflow as tf
 
 from keras_dist._validation import check_bool, check_int, check_real
 from keras_dist.core.collectives import num_elements, replica_context
-from keras_dist.core.hooks import (
-    DEFAULT_BUCKET_BYTES,
-    AllReduceHook,
-    CompressionStats,
-)
+from keras_dist.core.hook_types import DEFAULT_BUCKET_BYTES, CompressionStats
+from keras_dist.core.hooks import AllReduceHook
 from keras_dist.core.topk import reduce_sparsified, top_k_indices
 
 _INDEX_BYTES = 4

@@ -7,71 +7,22 @@ as they are. Collectives go through `keras_dist.core.collectives`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import re
 import types
 
 import tensorflow as tf
 
-from keras_dist.core.collectives import check_bucket_bytes, num_elements, plan_buckets
-
-# Dtypes TensorFlow's collectives can sum on every backend keras_dist supports
-# (`all_reduce` rejects int8/uint8 on CPU; bool, complex and strings are not
-# gradients). Checked before the first collective, so a bad gradient fails the
-# same way on every replica instead of leaving the others waiting.
-SUPPORTED_DTYPES = (
-    tf.float16,
-    tf.bfloat16,
-    tf.float32,
-    tf.float64,
-    tf.int32,
-    tf.int64,
+from keras_dist.core.collectives import check_bucket_bytes, plan_buckets
+from keras_dist.core.hook_types import (
+    DEFAULT_BUCKET_BYTES,
+    SUPPORTED_DTYPES,
+    CompressionStats,
+    VariableSpec,
+    check_gradient,
+    safe_name,
+    several_replicas,
+    variable_name,
 )
-"""Gradient and variable dtypes the hooks accept: those every collective sums."""
-
-DEFAULT_BUCKET_BYTES = 4 * 2**20
-"""The built-in hooks' `bucket_bytes` (4 MiB): see `plan_buckets`.
-
-Chosen by `benchmarks/bench_overlap.py` (docs/benchmarks/overlap.md)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CompressionStats:
-    """Bytes one replica put on the wire for its gradients in the last step.
-
-    Attributes:
-        raw_bytes: Int. Size of the gradients as plain all-reduce sends them.
-        sent_bytes: Int. Size of what the hook actually sent.
-    """
-
-    raw_bytes: int
-    sent_bytes: int
-
-    @property
-    def ratio(self) -> float:
-        """Compression ratio `raw_bytes / sent_bytes` (1.0 when nothing sent)."""
-        return self.raw_bytes / self.sent_bytes if self.sent_bytes else 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class VariableSpec:
-    """What a hook knows about one variable it was built for.
-
-    Attributes:
-        name: String. The variable's path (Keras) or name (TensorFlow).
-        shape: Tuple of ints.
-        dtype: `tf.DType`.
-    """
-
-    name: str
-    shape: tuple
-    dtype: tf.DType
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the variable (and of its gradient) in bytes."""
-        return num_elements(self.shape) * self.dtype.size
 
 
 class AllReduceHook(tf.Module):
@@ -319,8 +270,8 @@ class AllReduceHook(tf.Module):
         index_by_id = {}
         for index, variable in enumerate(variables):
             dtype = tf.as_dtype(variable.dtype)
-            name = _variable_name(variable)
-            if dtype not in SUPPORTED_DTYPES and _several_replicas():
+            name = variable_name(variable)
+            if dtype not in SUPPORTED_DTYPES and several_replicas():
                 raise ValueError(
                     f"`variables` must have one of the dtypes "
                     f"{[d.name for d in SUPPORTED_DTYPES]}, which the "
@@ -447,7 +398,7 @@ class AllReduceHook(tf.Module):
         variable = tf.Variable(
             initial_value,
             trainable=False,
-            name=_safe_name(name),
+            name=safe_name(name),
             dtype=dtype,
             shape=shape,
             synchronization=tf.VariableSynchronization.ON_READ,
@@ -480,7 +431,7 @@ class AllReduceHook(tf.Module):
         variables = list(variables)
         if self._book.per_variable:
             known = {spec.name for spec in self.variable_specs}
-            if {_variable_name(v) for v in variables} <= known:
+            if {variable_name(v) for v in variables} <= known:
                 reason = (
                     "These are other variable objects with the same names: "
                     "another model's (layers named alike), or the model was "
@@ -526,7 +477,7 @@ class AllReduceHook(tf.Module):
                 f"`variables` must be among the {len(self.variable_specs)} "
                 "variables the "
                 f"hook was built for. Received: variable "
-                f"{_variable_name(variable)!r}. The hook knows variables by "
+                f"{variable_name(variable)!r}. The hook knows variables by "
                 "object, not by name: give each model its own hook "
                 "instance, and build it on the model's trainable variables."
             )
@@ -579,12 +530,12 @@ class AllReduceHook(tf.Module):
             spec = self.variable_specs[index]
             sparse = keep_sparse and isinstance(gradient, tf.IndexedSlices)
             if sparse:
-                _check_gradient(position, gradient.values, spec, rows=True)
+                check_gradient(position, gradient.values, spec, rows=True)
                 prepared.append(gradient)
                 indices.append(index)
                 continue
             gradient = tf.convert_to_tensor(gradient)
-            _check_gradient(position, gradient, spec)
+            check_gradient(position, gradient, spec)
             if not gradient.shape.is_fully_defined():
                 # A densified `tf.IndexedSlices` (embeddings) can lose its
                 # static shape; the hooks plan with static shapes.
@@ -671,70 +622,9 @@ class AllReduceHook(tf.Module):
         return f"{type(self).__name__}({args})"
 
 
-def _check_gradient(position, gradient, spec, rows=False) -> None:
-    """Raises ValueError if `gradient` does not fit the variable of `spec`.
-
-    With `rows`, `gradient` holds rows of the variable (the values of a
-    `tf.IndexedSlices`): its shape after the first axis must match.
-    """
-    if gradient.dtype not in SUPPORTED_DTYPES and _several_replicas():
-        raise ValueError(
-            "`gradients` must have one of the dtypes "
-            f"{[d.name for d in SUPPORTED_DTYPES]}. Received: "
-            f"gradients[{position}] of dtype {gradient.dtype.name!r} for "
-            f"variable {spec.name!r}. Cast the gradient before the hook."
-        )
-    if gradient.dtype != spec.dtype:
-        raise ValueError(
-            f"`gradients[{position}]` must have the dtype of its variable "
-            f"{spec.name!r}, {spec.dtype.name}. Received: dtype "
-            f"{gradient.dtype.name}. Cast the gradient to the "
-            "variable's dtype."
-        )
-    shape = gradient.shape[1:] if rows else gradient.shape
-    expected = spec.shape[1:] if rows else spec.shape
-    if not shape.is_compatible_with(expected):
-        raise ValueError(
-            f"`gradients[{position}]` must have the shape of its variable "
-            f"{spec.name!r}, {spec.shape}. Received: shape "
-            f"{tuple(gradient.shape)}{' (rows of a sparse gradient)' if rows else ''}."
-        )
-
-
-def zero_if_not_finite(tensor):
-    """Returns `tensor`, or zeros if any entry is NaN or infinite.
-
-    For error-feedback state: one step that overflowed (a loss-scale probe
-    under mixed precision) must not poison every later step.
-    """
-    # A cond, not tf.where: the common branch costs no tensor-sized op.
-    return tf.cond(
-        tf.reduce_all(tf.math.is_finite(tensor)),
-        lambda: tensor,
-        lambda: tf.zeros_like(tensor),
-    )
-
-
-def _several_replicas() -> bool:
-    # With one replica nothing is summed over a wire: any dtype passes (as
-    # through the optimizer alone), complex variables included.
-    context = tf.distribute.get_replica_context()
-    if context is not None:
-        return context.num_replicas_in_sync > 1
-    return tf.distribute.get_strategy().num_replicas_in_sync > 1
-
-
 def _missing_super_init(hook_class, defining_class) -> str:
     return (
         f"{hook_class.__name__} is not initialised: `{defining_class.__name__}"
         ".__init__` must call `super().__init__()` before anything else, as "
         "every `AllReduceHook` subclass does."
     )
-
-
-def _variable_name(variable) -> str:
-    return str(getattr(variable, "path", None) or variable.name)
-
-
-def _safe_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)

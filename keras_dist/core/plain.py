@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from keras_dist.core.collectives import all_reduce, all_reduce_sum, is_sparse
-from keras_dist.core.hooks import DEFAULT_BUCKET_BYTES, AllReduceHook
+from keras_dist.core.hook_types import DEFAULT_BUCKET_BYTES
+from keras_dist.core.hooks import AllReduceHook
 
 
 class NoCompression(AllReduceHook):

@@ -13,12 +13,12 @@ from keras_dist.core.collectives import (
     num_elements,
     replica_context,
 )
-from keras_dist.core.hooks import (
+from keras_dist.core.hook_types import (
     DEFAULT_BUCKET_BYTES,
-    AllReduceHook,
     CompressionStats,
     zero_if_not_finite,
 )
+from keras_dist.core.hooks import AllReduceHook
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,11 +12,8 @@ from keras_dist.core.collectives import (
     all_reduce_sum,
     num_elements,
 )
-from keras_dist.core.hooks import (
-    DEFAULT_BUCKET_BYTES,
-    AllReduceHook,
-    zero_if_not_finite,
-)
+from keras_dist.core.hook_types import DEFAULT_BUCKET_BYTES, zero_if_not_finite
+from keras_dist.core.hooks import AllReduceHook
 
 _INDEX_BYTES = 4
 
