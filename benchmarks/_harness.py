@@ -669,8 +669,19 @@ def build_mlp(keras, keras_dist, width, hidden, hook, learning_rate):
 
 
 # --- Private keras_dist names ------------------------------------------------------
-# The only private keras_dist module the benchmarks touch; when it moves,
-# repoint this import.
+# The only private keras_dist modules the benchmarks touch; when they move,
+# repoint these imports.
+
+
+def ring_subdivisions():
+    """`(set_subdivisions, default)`: `set_subdivisions(strategy, n)` sets the
+    most pieces `strategy`'s CPU all-reduces split a tensor into, for what
+    is traced afterwards (-1: TensorFlow's own, whole tensors); `default` is
+    keras_dist's (`bench_ddp.py` times both in the same processes)."""
+    from keras_dist._compat import tf_internal
+    from keras_dist.core import collectives
+
+    return tf_internal.subdivide_all_reduces, collectives.RING_SUBDIVS
 
 
 def private_backup_modules():

@@ -288,20 +288,34 @@ def all_reduce_times(tf, torch, strategy, job):
 
     count = ALL_REDUCE_BYTES // 4
     source = tf.ones([count], tf.float32)
+    set_subdivisions, default_subdivisions = harness.ring_subdivisions()
 
-    @tf.function
-    def tf_all_reduce():
-        def step():
-            ctx = tf.distribute.get_replica_context()
-            summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, source)
-            return summed[:1]
+    def traced_all_reduce(subdivisions):
+        # The launchers' setting is read when the all-reduce is traced.
+        set_subdivisions(strategy, subdivisions)
 
-        return strategy.run(step)
+        @tf.function
+        def tf_all_reduce():
+            def step():
+                ctx = tf.distribute.get_replica_context()
+                summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, source)
+                return summed[:1]
 
-    def run_tf():
-        start = time.perf_counter()
-        float(tf_all_reduce()[0])
-        return time.perf_counter() - start
+            return strategy.run(step)
+
+        tf_all_reduce.get_concrete_function()
+
+        def run():
+            start = time.perf_counter()
+            float(tf_all_reduce()[0])
+            return time.perf_counter() - start
+
+        return run
+
+    # TensorFlow's whole-tensor ring first, then keras_dist's subdivided one
+    # (what the models below train with).
+    run_tf_whole = traced_all_reduce(-1)
+    run_tf = traced_all_reduce(default_subdivisions)
 
     tensor = torch.ones(count, dtype=torch.float32)
 
@@ -310,7 +324,11 @@ def all_reduce_times(tf, torch, strategy, job):
         dist.all_reduce(tensor)
         return time.perf_counter() - start
 
-    runners = {"tensorflow": run_tf, "gloo": run_torch}
+    runners = {
+        "tensorflow": run_tf,
+        "tensorflow_whole": run_tf_whole,
+        "gloo": run_torch,
+    }
     for runner in runners.values():
         runner()  # trace, connect, allocate
     times = {name: [] for name in runners}
@@ -510,12 +528,14 @@ def format_all_reduce(results, rate) -> str:
         shaped = CONDITIONS[condition]["shaped"]
         tf_s = times["tensorflow"]["median_seconds"]
         gloo_s = times["gloo"]["median_seconds"]
+        whole = times.get("tensorflow_whole", {}).get("median_seconds")
         rows.append(
             [
                 CONDITION_LABELS[condition].format(
                     rate=rate.replace("gbit", " Gbit/s")
                 ),
                 f"{tf_s:.3f}",
+                "" if whole is None else f"{whole:.3f}",
                 f"{gloo_s:.3f}",
                 f"{tf_s / gloo_s:.2f}",
                 f"{floor:.2f}" if shaped else "",
@@ -525,14 +545,15 @@ def format_all_reduce(results, rate) -> str:
         )
     header = [
         "network, threads",
-        "TensorFlow (s)",
+        "TensorFlow, subdivided (s)",
+        "TensorFlow, whole tensors (s)",
         "gloo (s)",
         "TF / gloo",
         "ring floor (s)",
         "TF of floor",
         "gloo of floor",
     ]
-    return harness.table(header, rows, align="lrrrrrr")
+    return harness.table(header, rows, align="lrrrrrrr")
 
 
 def plot(plt, report, path):
@@ -579,13 +600,24 @@ def plot(plt, report, path):
         ax = axes[0][-1]
         names = list(all_reduce)
         positions = range(len(names))
-        for offset, framework in enumerate(("tensorflow", "gloo")):
+        frameworks = [
+            f
+            for f in ("tensorflow_whole", "tensorflow", "gloo")
+            if all(f in all_reduce[c] for c in names)
+        ]
+        labels = {
+            "tensorflow_whole": "TensorFlow, whole tensors",
+            "tensorflow": "TensorFlow, subdivided (keras_dist)",
+            "gloo": "gloo",
+        }
+        bar = 0.8 / len(frameworks)
+        for offset, framework in enumerate(frameworks):
             values = [all_reduce[c][framework]["median_seconds"] for c in names]
             bars = ax.bar(
-                [p + (offset - 0.5) * 0.38 for p in positions],
+                [p + (offset - (len(frameworks) - 1) / 2) * bar for p in positions],
                 values,
-                0.38,
-                label=framework,
+                bar,
+                label=labels[framework],
             )
             ax.bar_label(bars, fmt="%.2f", fontsize=7)
         ax.axhline(

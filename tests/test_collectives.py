@@ -109,3 +109,28 @@ def test_collectives_refuse_cross_replica_context(mirrored):
         pytest.raises(RuntimeError, match="replica context"),
     ):
         collectives.all_reduce_sum([tf.ones(2)])
+
+
+def test_ring_subdivisions_are_read_from_the_environment(monkeypatch):
+    # Only multi-worker strategies are subdivided (here a local strategy
+    # stands in for one); the variable is checked when keras_dist first owns
+    # one. tests/test_models.py's and the other multi-worker tests train
+    # through the subdivided ring.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    monkeypatch.setenv("KERAS_DIST_RING_SUBDIVS", "many")
+    collectives._subdivide(strategy)  # one process: nothing to do
+    launchers = strategy.extended._collective_ops._launchers
+    assert not any(hasattr(launcher, "max_subdivs") for launcher in launchers)
+    monkeypatch.setattr(
+        collectives.tf_internal, "is_multi_worker", lambda strategy: True
+    )
+    with pytest.raises(ValueError, match=r"KERAS_DIST_RING_SUBDIVS.*'many'"):
+        collectives._subdivide(strategy)
+    monkeypatch.setenv("KERAS_DIST_RING_SUBDIVS", "4")
+    collectives._subdivide(strategy)
+    assert {launcher.max_subdivs for launcher in launchers} == {4}
+    monkeypatch.delenv("KERAS_DIST_RING_SUBDIVS")
+    collectives._subdivide(strategy)
+    assert {launcher.max_subdivs for launcher in launchers} == {
+        collectives.RING_SUBDIVS
+    }

@@ -5,6 +5,7 @@ one, the failure says which, instead of training silently going wrong.
 """
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import run_python
@@ -309,6 +310,33 @@ def test_collective_keys_live_where_we_replace_them():
         assert hasattr(ops, name), name
     assert tf_internal.rekey_collectives(strategy, 700_000)
     assert extended._collective_ops._launchers[0]._group_key == 700_001
+
+
+def test_all_reduces_take_subdivisions_through_the_launchers():
+    # `keras_dist/_compat/tf_internal.py::subdivide_all_reduces`: the launcher
+    # class whose `all_reduce` we re-state, and the op attribute it sets.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert tf_internal.subdivide_all_reduces(strategy, 8) == 2
+    launcher = strategy.extended._collective_ops._launchers[0]
+    assert isinstance(launcher, tf_internal._SubdividingLauncher)
+    source = tf.ones([1000])
+
+    @tf.function
+    def step():
+        def replica():
+            context = tf.distribute.get_replica_context()
+            mine = source * tf.cast(context.replica_id_in_sync_group + 1, tf.float32)
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+        return strategy.run(replica)
+
+    graph = step.get_concrete_function().graph
+    reduces = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
+    assert reduces
+    assert {op.get_attr("max_subdivs_per_device") for op in reduces} == {8}
+    values = strategy.experimental_local_results(step())
+    for value in values:
+        np.testing.assert_array_equal(value.numpy(), 3 * np.ones(1000))
 
 
 def test_tf_keras_registered_names_are_where_we_extend_them():
