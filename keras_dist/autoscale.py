@@ -29,6 +29,12 @@ import keras
 import numpy as np
 
 from keras_dist import state as state_lib
+from keras_dist._autoscale_state import (
+    FitState,
+    Run,
+    read_micro_steps,
+    read_pending_micro_steps,
+)
 from keras_dist._fit_data import BatchesFitData
 from keras_dist._validation import check_bool, check_choice, check_int, check_real
 from keras_dist.core import statistics as _gradient_statistics
@@ -40,12 +46,10 @@ from keras_dist.noise_scale import (
 )
 from keras_dist.noise_scale import estimate_noise as estimate_noise
 from keras_dist.optimizers import (
-    GradientAccumulationOptimizer,
     check_one_accumulator,
     find_accumulator,
 )
 from keras_dist.schedules import (
-    ScaledLearningRate,
     find_scaled_schedule,
     has_float_learning_rate,
 )
@@ -56,56 +60,6 @@ LR_SCALINGS = ("linear", "sqrt", None)
 
 
 # --- The callback -------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Run:
-    """What must survive across `fit` calls on the same optimizer.
-
-    A second `fit` must not rescale an already scaled learning rate, nor
-    warm up again: the base rate, the base batch and the warmup origin are
-    kept while the optimizer is the same and nobody else changed its rate.
-    """
-
-    optimizer: weakref.ref
-    base_learning_rate: float | None
-    base_batch_size: int
-    origin_updates: int
-    origin_micro_steps: int
-    last_learning_rate: float | None = None
-
-
-@dataclasses.dataclass
-class _FitState:
-    """Per-`fit` state of `AutoScaleBatch`, made anew in `on_train_begin`.
-
-    The counters mirror the accumulation optimizer's in Python (reading its
-    variables every step would synchronise host and device); they count from
-    the run's origin (`_Run`) and are realigned with the optimizer once per
-    epoch.
-    """
-
-    replicas: int
-    accumulation_steps: int
-    accumulator: GradientAccumulationOptimizer | None
-    schedule: ScaledLearningRate | None
-    epoch_steps: int | None
-    updates: int
-    micro_steps: int
-    # Micro-steps of the accumulation cycle in progress.
-    pending_micro_steps: int
-    # `batch` of the last `on_train_batch_begin`: with `steps_per_execution`,
-    # one call runs `batch_end - batch_begin + 1` micro-steps.
-    batch_begin: int = 0
-    # The last learning-rate multiplier set, to skip setting it again.
-    multiplier: float | None = None
-    measurements: list[NoiseScaleMeasurement] = dataclasses.field(default_factory=list)
-    # Adaptive mode only.
-    controller: NoiseScaleController | None = None
-    statistics: _gradient_statistics.GradientStatistics | None = None
-    # The statistics' running sums at the last decision.
-    last_totals: tuple[float, float, int] | None = None
-    updates_since_decision: int = 0
 
 
 class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
@@ -332,9 +286,9 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         self.max_growth = check_max_growth(max_growth)
         self.verbose = check_int("verbose", verbose, minimum=0, maximum=1)
         # What survives across `fit` calls on one optimizer.
-        self._run: _Run | None = None
+        self._run: Run | None = None
         # State of the current (or last) `fit`, made in `on_train_begin`.
-        self._fit: _FitState | None = None
+        self._fit: FitState | None = None
         self._told_how_to_batch = False
         # Set by `data_batched_by_model` just before `fit`, read when it starts.
         self._fit_data = None
@@ -430,9 +384,9 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
             )
 
         updates = int(optimizer.iterations.numpy())
-        micro_steps = _micro_steps(accumulator, updates)
+        micro_steps = read_micro_steps(accumulator, updates)
         self._start_run(optimizer, float_rate, global_batch, updates, micro_steps)
-        fit = _FitState(
+        fit = FitState(
             replicas=replicas,
             accumulation_steps=steps,
             accumulator=accumulator,
@@ -440,7 +394,7 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
             epoch_steps=epoch_steps,
             updates=updates - self._run.origin_updates,
             micro_steps=micro_steps - self._run.origin_micro_steps,
-            pending_micro_steps=_pending_micro_steps(accumulator),
+            pending_micro_steps=read_pending_micro_steps(accumulator),
         )
         if self.adaptive:
             fit.controller = NoiseScaleController(
@@ -597,7 +551,7 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
             )
         ):
             return
-        self._run = _Run(
+        self._run = Run(
             optimizer=weakref.ref(optimizer),
             base_learning_rate=rate,
             base_batch_size=self.base_batch_size or global_batch,
@@ -683,10 +637,10 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
         updates = int(self.model.optimizer.iterations.numpy())
         fit.updates = updates - self._run.origin_updates
         fit.micro_steps = (
-            _micro_steps(fit.accumulator, updates) - self._run.origin_micro_steps
+            read_micro_steps(fit.accumulator, updates) - self._run.origin_micro_steps
         )
         if fit.accumulator is not None and fit.accumulator.built:
-            fit.pending_micro_steps = _pending_micro_steps(fit.accumulator)
+            fit.pending_micro_steps = read_pending_micro_steps(fit.accumulator)
 
     # --- Data ------------------------------------------------------------------
 
@@ -715,18 +669,3 @@ class AutoScaleBatch(BatchesFitData, keras.callbacks.Callback):
             fit_batch,
             fit_batch,
         )
-
-
-# --- Helpers --------------------------------------------------------------------------
-
-
-def _micro_steps(accumulator, updates):
-    if accumulator is not None and accumulator.built:
-        return int(accumulator.micro_steps.numpy())
-    return updates
-
-
-def _pending_micro_steps(accumulator):
-    if accumulator is not None and accumulator.built:
-        return int(accumulator.pending_micro_steps.numpy())
-    return 0

@@ -59,6 +59,7 @@ LAYERS = [
             "keras_dist.backup",
             "keras_dist.backup.",
             "keras_dist.autoscale",
+            "keras_dist._autoscale_state",
             "keras_dist.parameter_server.training",
         ],
     ),
