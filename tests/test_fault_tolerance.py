@@ -39,7 +39,7 @@ WORKER = os.path.join(REPO_ROOT, "tests", "fault_worker.py")
 LAUNCH_TIMEOUT = 600
 
 
-def launch(tmp, *args, max_restarts=0, collective_timeout=None, timeout=None):
+def launch(tmp, *args, max_restarts=0, collective_timeout=None, timeout=None, env=None):
     """Runs fault_worker.py on 2 workers; returns (status, output, seconds)."""
     command = [
         sys.executable,
@@ -54,7 +54,12 @@ def launch(tmp, *args, max_restarts=0, collective_timeout=None, timeout=None):
     if collective_timeout is not None:
         command += ["--collective-timeout", str(collective_timeout)]
     command += ["--", sys.executable, WORKER, str(tmp / "out"), str(tmp / "b"), *args]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": REPO_ROOT}
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "PYTHONPATH": REPO_ROOT,
+        **(env or {}),
+    }
     start = time.monotonic()
     done = subprocess.run(
         command,
@@ -175,6 +180,30 @@ def test_sigkill_mid_accumulation_powersgd_resumes_exactly(tmp_path, references)
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+def test_gloo_backend_sigkill_resumes_exactly_as_tensorflow_collectives(
+    tmp_path, references
+):
+    """The same kill with the gradients summed by gloo: the survivor's step
+    fails, the restarted job meets again through a new gloo group, and the
+    run ends with the weights of the reference (TensorFlow's collectives)."""
+    pytest.importorskip("torch", reason="the gloo backend needs PyTorch")
+    status, output, _ = launch(
+        tmp_path,
+        "--config",
+        "powersgd",
+        "--hurt",
+        "0:kill:7",
+        max_restarts=1,
+        env={"KERAS_DIST_COLLECTIVES": "gloo"},
+    )
+    assert status == 0, output[-3000:]
+    assert "restart 1 of 1: worker:1 failed with exit code 137" in output
+    assert "powersgd/backup-00000001 at epoch 0, after 4 batches" in output
+    assert_same_run(tmp_path / "out" / "powersgd", references / "powersgd")
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_sigkill_after_autoscale_grew_the_batch_resumes_exactly(tmp_path, references):
     grown = summary(references / "autoscale")
     # The adaptive batch grew during the reference run (2 -> more).
@@ -224,11 +253,16 @@ def test_stock_backup_and_checkpoint_write_on_the_chief_only(tmp_path):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
-def test_peer_killed_during_all_reduce_is_named(tmp_path):
+@pytest.mark.parametrize("backend", ["tensorflow", "gloo"])
+def test_peer_killed_during_all_reduce_is_named(tmp_path, backend):
     # Without the launcher (which would stop the survivor at once): worker 1
     # SIGKILLs itself after 3 batches; worker 0 fails at its next
-    # collective with an error that names worker 1.
+    # collective with an error that names worker 1, whether TensorFlow's
+    # collectives or gloo (KERAS_DIST_COLLECTIVES) sum the gradients.
     from keras_dist import cluster
+
+    if backend == "gloo":
+        pytest.importorskip("torch", reason="the gloo backend needs PyTorch")
 
     spec = cluster.local_cluster(workers=2)
     processes = []
@@ -240,6 +274,7 @@ def test_peer_killed_during_all_reduce_is_named(tmp_path):
             "TF_CONFIG": cluster.make_tf_config(spec, "worker", index),
             "KERAS_DIST_TASK": f"worker:{index}",
             "KERAS_DIST_COLLECTIVE_TIMEOUT": "60",
+            "KERAS_DIST_COLLECTIVES": backend,
         }
         processes.append(
             subprocess.Popen(
@@ -268,6 +303,9 @@ def test_peer_killed_during_all_reduce_is_named(tmp_path):
                 process.kill()
     assert processes[1].returncode == -signal.SIGKILL
     assert processes[0].returncode == 1, output0[-3000:]
+    # With gloo, whichever collective of the step meets the loss first
+    # fails it: TensorFlow's (the batch sizes) or gloo's (the gradients,
+    # test_gloo.py); either way the survivor names the lost peer.
     assert "RuntimeError: Training stopped on worker:0: lost worker:1" in output0
     assert time.monotonic() - start < 60 + 150
 

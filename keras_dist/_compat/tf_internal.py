@@ -279,3 +279,41 @@ def dataset_batch_size(dataset) -> int | None:
             return None if size is None else int(size)
         node = getattr(node, "_input_dataset", None)
     return None
+
+
+# --- The coordination service's key-value store -------------------------------
+#
+# `MultiWorkerMirroredStrategy` starts TensorFlow's coordination service
+# (hosted by the first task, tensorflow/python/distribute/
+# collective_all_reduce_strategy.py) and every worker's context is a client
+# of its key-value store. keras_dist's gloo backend (`core/gloo.py`) meets
+# its peers through it: the first worker publishes the address of its
+# rendezvous store, the others wait for it.
+
+
+def publish_key(key: str, value: str) -> None:
+    """Sets `key` to `value` in the coordination service's store."""
+    from tensorflow.python.eager import context
+
+    context.context().set_config_key_value(key, value)
+
+
+def read_key(key: str) -> str:
+    """Waits until `key` is set in the coordination service's store; its value."""
+    from tensorflow.python.eager import context
+
+    return context.context().get_config_key_value(key)
+
+
+def worker_rank(strategy) -> int:
+    """This worker's index among `strategy`'s workers (the chief's is 0).
+
+    The order of the strategy's replicas (`multi_worker_util.id_in_cluster`).
+    """
+    return int(strategy.extended._id_in_cluster)
+
+
+def collective_timeout(strategy) -> float | None:
+    """Seconds `strategy`'s collectives wait for a peer, or `None` (forever)."""
+    options = getattr(strategy.extended, "_communication_options", None)
+    return getattr(options, "timeout_seconds", None)

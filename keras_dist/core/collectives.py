@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from keras_dist._compat import tf_internal
 from keras_dist._validation import check_int
+from keras_dist.core import gloo
 
 # --- Keys ------------------------------------------------------------------
 
@@ -66,6 +67,10 @@ def own(strategy=None) -> None:
     extended = strategy.extended
     if extended in _owned:
         return
+    if tf_internal.is_multi_worker(strategy):
+        # Before the keys: a backend that cannot serve the strategy fails
+        # here, and the strategy stays unowned until it is fixed.
+        gloo.enable_if_requested(strategy)
     with _lock:
         if extended in _owned:
             return
@@ -253,8 +258,15 @@ def _sum_by_bucket(tensors, sum_group, bucket_bytes):
     if ctx.num_replicas_in_sync == 1 or not tensors:
         return tensors
     result = [None] * len(tensors)
+    # With KERAS_DIST_COLLECTIVES=gloo, the dense buckets of a multi-worker
+    # CPU strategy go through gloo (core/gloo.py).
+    backend = gloo.group_for(ctx.strategy)
     for bucket in plan_buckets(tensors, bucket_bytes):
-        summed = sum_group(ctx, [tensors[i] for i in bucket])
+        group = [tensors[i] for i in bucket]
+        if backend is not None and backend.carries(group):
+            summed = backend.sum(group)
+        else:
+            summed = sum_group(ctx, group)
         for i, value in zip(bucket, summed):
             result[i] = value
     return result

@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras_dist import _fit_data, state
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
+from keras_dist.core import gloo
 from keras_dist.core.topology import count_workers
 from keras_dist.parameter_server import training as _parameter_server
 from keras_dist.trainer import inputs
@@ -70,7 +71,9 @@ class FitMixin:
         self._keras_dist.fitting = True
         try:
             return super().fit(**values)
-        except _COLLECTIVE_ERRORS as error:
+        except tf.errors.OpError as error:
+            if not _lost_a_peer(error):
+                raise
             lost = _describe_lost_peer(self.distribute_strategy, error)
             if lost is None:
                 raise
@@ -193,6 +196,11 @@ _COLLECTIVE_ERRORS = (
     tf.errors.UnavailableError,
     tf.errors.AbortedError,
 )
+
+
+def _lost_a_peer(error) -> bool:
+    """Whether `error` is a collective's (TensorFlow's or gloo's) that lost a peer."""
+    return isinstance(error, _COLLECTIVE_ERRORS) or gloo.is_failure(error)
 
 
 def _describe_lost_peer(strategy, error) -> str | None:

@@ -1,0 +1,276 @@
+"""An optional CPU collective backend: gloo, through PyTorch's c10d.
+
+TensorFlow's CPU all-reduce between worker processes is a ring over gRPC:
+each piece of a tensor is a gRPC message, serialized, sent and parsed before
+its reduction starts. Between 2 processes on one machine, 100 MB of float32
+take 0.21-0.24 s that way (subdivided, `collectives.RING_SUBDIVS`) and 0.08-
+0.09 s with gloo over plain TCP, the backend PyTorch's DDP uses on CPUs
+(docs/benchmarks/ddp.md). With `KERAS_DIST_COLLECTIVES=gloo` in every
+worker's environment, the gradient sums of a `MultiWorkerMirroredStrategy`
+with one device per worker (`collectives.all_reduce_sum` and
+`all_reduce_flat`: every hook's dense buckets) travel through a gloo process
+group instead; everything else (metrics, gathers, sharded optimizer state,
+sparse gradients) stays on TensorFlow's collectives.
+
+How: each bucket is flattened into one buffer and handed to a
+`tf.numpy_function` that copies it (TensorFlow may share the input's memory
+with other consumers) and sums it in place with gloo. Every worker issues
+the same buckets in the same order: the functions are stateful and chained
+by control dependencies, so they run in program order. The process group is
+made the first time a strategy's gradients are summed: the first worker opens
+a `TCPStore` on a free port of its host and publishes its address in
+TensorFlow's coordination service, the others read it there.
+
+Guarantees: the sums are those of TensorFlow's collective up to float
+rounding (the same for 2 workers; gloo's ring adds in another order beyond).
+A peer that dies closes its sockets, and the others' step fails at once with
+an error naming the worker; a peer that hangs fails the step after the
+strategy's collective timeout (`collective_timeout` of
+`keras_dist.multi_worker_strategy`), or 30 minutes without one, gloo's
+default. PyTorch is needed only in the workers that use the backend
+(`pip install torch`, the CPU wheel:
+`--index-url https://download.pytorch.org/whl/cpu`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from keras_dist._compat import tf_internal
+from keras_dist.core.topology import local_replicas
+
+ENV_VAR = "KERAS_DIST_COLLECTIVES"
+BACKENDS = ("tensorflow", "gloo")
+
+# gloo sums these; a bucket of another dtype stays on TensorFlow's collective.
+_TORCH_DTYPES = {
+    tf.float16: "float16",
+    tf.bfloat16: "bfloat16",
+    tf.float32: "float32",
+    tf.float64: "float64",
+    tf.int32: "int32",
+    tf.int64: "int64",
+}
+# Without a strategy timeout: gloo's (and `torch.distributed`'s) default.
+DEFAULT_TIMEOUT_SECONDS = 1800.0
+_KEY_PREFIX = "keras_dist/gloo/"
+# Starts the error a failed gloo all-reduce raises in its step (TensorFlow
+# reports it as an `UnknownError` of the `tf.numpy_function`).
+FAILURE = "keras_dist's gloo all-reduce failed"
+
+_lock = threading.Lock()
+_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def requested_backend() -> str:
+    """The backend `KERAS_DIST_COLLECTIVES` names (`"tensorflow"` if unset).
+
+    Raises:
+        ValueError: the variable names no backend.
+    """
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if not value:
+        return "tensorflow"
+    if value not in BACKENDS:
+        raise ValueError(
+            f"{ENV_VAR} must be one of {list(BACKENDS)}. Received: "
+            f"{os.environ[ENV_VAR]!r}. Unset it for TensorFlow's collectives."
+        )
+    return value
+
+
+def enable_if_requested(strategy) -> bool:
+    """Marks `strategy` for gloo when the environment asks for it.
+
+    Called by `collectives.own` for every multi-worker strategy, before
+    anything is traced, so a strategy gloo cannot serve fails at once.
+    The process group itself is made at the first gradient sum.
+
+    Returns:
+        Whether `strategy`'s gradient sums go through gloo.
+
+    Raises:
+        ValueError: `KERAS_DIST_COLLECTIVES` is not a backend, or names
+            gloo for a strategy with several devices per worker.
+        ImportError: gloo is asked for and PyTorch is not installed.
+    """
+    if requested_backend() != "gloo":
+        return False
+    local = local_replicas(strategy)
+    if local != 1:
+        raise ValueError(
+            f"{ENV_VAR}=gloo serves one device per worker (CPU workers); "
+            f"this worker's strategy has {local} "
+            f"({list(strategy.extended.worker_devices)}). Unset {ENV_VAR} "
+            "for TensorFlow's collectives (NCCL on GPUs)."
+        )
+    _import_torch()
+    with _lock:
+        _groups.setdefault(strategy.extended, None)
+    return True
+
+
+def group_for(strategy) -> GlooGroup | None:
+    """The gloo group summing `strategy`'s gradients, or `None` (TensorFlow).
+
+    Makes the group (a rendezvous with every worker) the first time.
+    """
+    extended = strategy.extended
+    if extended not in _groups:
+        return None
+    with _lock:
+        group = _groups[extended]
+        if group is None:
+            group = GlooGroup.connect(strategy)
+            _groups[extended] = group
+    return group
+
+
+def _import_torch():
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as error:
+        raise ImportError(
+            f"{ENV_VAR}=gloo needs PyTorch (its gloo process group) in every "
+            "worker: `pip install torch --index-url "
+            "https://download.pytorch.org/whl/cpu` (the CPU wheel), or unset "
+            f"{ENV_VAR} for TensorFlow's collectives."
+        ) from error
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise ImportError(
+            f"{ENV_VAR}=gloo: this PyTorch build ({torch.__version__}) has no "
+            "gloo backend. Install PyTorch's CPU wheel, or unset "
+            f"{ENV_VAR} for TensorFlow's collectives."
+        )
+    return torch, dist
+
+
+class GlooGroup:
+    """One worker's member of a gloo process group of a strategy's workers.
+
+    Made by `connect`. `calls` and `bytes` count the all-reduces it ran and
+    the bytes it summed.
+
+    Args:
+        rank: Int, this worker's index (the strategy's replica order).
+        size: Int, the number of workers.
+        store: The `torch.distributed` store the group met through.
+        timeout: Float, seconds a collective waits for its peers.
+        host: String, this worker's host name (its sockets bind there).
+    """
+
+    def __init__(self, rank: int, size: int, store, timeout: float, host: str):
+        torch, dist = _import_torch()
+        self._torch = torch
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self.calls = 0
+        self.bytes = 0
+        self._store = store
+        # gloo's sockets bind where TensorFlow's server of this task listens,
+        # or to the interface `GLOO_SOCKET_IFNAME` names, as in PyTorch.
+        interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=timeout)
+        options._devices = [
+            dist.ProcessGroupGloo.create_device(interface=interface)
+            if interface
+            else dist.ProcessGroupGloo.create_device(hostname=host)
+        ]
+        self._group = dist.ProcessGroupGloo(store, rank, size, options)
+        self._last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def connect(cls, strategy) -> GlooGroup:
+        """Meets `strategy`'s other workers and returns this worker's member."""
+        _, dist = _import_torch()
+        rank = tf_internal.worker_rank(strategy)
+        size = strategy.num_replicas_in_sync
+        timeout = tf_internal.collective_timeout(strategy) or DEFAULT_TIMEOUT_SECONDS
+        wait = datetime.timedelta(seconds=timeout)
+        # One key per strategy: a process may connect several in turn.
+        key = f"{_KEY_PREFIX}{tf_internal.collective_group_base(strategy)}"
+        host = _own_host(strategy)
+        if rank == 0:
+            store = dist.TCPStore(
+                host, 0, size, True, timeout=wait, wait_for_workers=False
+            )
+            tf_internal.publish_key(key, f"{host}:{store.port}")
+        else:
+            first, port = tf_internal.read_key(key).rsplit(":", 1)
+            store = dist.TCPStore(first, int(port), size, False, timeout=wait)
+        return cls(rank, size, store, timeout, host)
+
+    def carries(self, tensors) -> bool:
+        """Whether gloo sums `tensors` (one bucket), else TensorFlow does.
+
+        gloo takes the dtypes PyTorch has and shapes known when tracing.
+        """
+        return tf.as_dtype(tensors[0].dtype) in _TORCH_DTYPES and all(
+            t.shape.is_fully_defined() for t in tensors
+        )
+
+    def sum(self, tensors):
+        """Sums `tensors` (one dtype, static shapes) over the workers.
+
+        One gloo all-reduce of their concatenation; replica context of the
+        strategy this group belongs to.
+        """
+        dtype = tf.as_dtype(tensors[0].dtype)
+        flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+        graph = tf.compat.v1.get_default_graph()
+        previous = self._last.get(graph)
+        with tf.control_dependencies([] if previous is None else [previous]):
+            summed = tf.numpy_function(
+                self._sum_in_place, [flat], dtype, stateful=True, name="gloo_sum"
+            )
+        self._last[graph] = summed
+        summed.set_shape(flat.shape)
+        sizes = [int(np.prod(t.shape)) for t in tensors]
+        return [
+            tf.reshape(part, t.shape)
+            for t, part in zip(tensors, tf.split(summed, sizes), strict=True)
+        ]
+
+    def _sum_in_place(self, array):
+        # TensorFlow may hand over a buffer other ops still read: sum a copy.
+        buffer = np.array(array, copy=True)
+        if buffer.size == 0:
+            return buffer
+        torch = self._torch
+        if buffer.dtype.name == "bfloat16":
+            tensor = torch.from_numpy(buffer.view(np.int16)).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(buffer)
+        self.calls += 1
+        self.bytes += buffer.nbytes
+        try:
+            self._group.allreduce([tensor]).wait()
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"{FAILURE} on worker {self.rank} of "
+                f"{self.size}: a peer stopped, or did not answer within "
+                f"{self.timeout:g} s. {error}"
+            ) from error
+        return buffer
+
+
+def is_failure(error) -> bool:
+    """Whether `error` (a `tf.errors.OpError`) is a failed gloo all-reduce."""
+    return isinstance(error, tf.errors.UnknownError) and FAILURE in str(error.message)
+
+
+def _own_host(strategy) -> str:
+    """The host name of this worker, as the cluster spec has it."""
+    resolver = strategy.cluster_resolver
+    address = resolver.cluster_spec().task_address(resolver.task_type, resolver.task_id)
+    host = address.rsplit(":", 1)[0]
+    return host.strip("[]")

@@ -1,0 +1,171 @@
+"""The gloo collective backend (`KERAS_DIST_COLLECTIVES=gloo`, core/gloo.py).
+
+The multi-worker tests train in real worker processes whose gradient sums go
+through a gloo process group (PyTorch's c10d, over TCP); the fault tests are
+in test_fault_tolerance.py (a killed peer, a resume after one).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import gloo_workers
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import max_abs_diff
+
+from keras_dist import cluster
+from keras_dist.compression import BF16, FP16, NoCompression, PowerSGD
+from keras_dist.core import collectives, gloo
+from keras_dist.testing import run_workers
+
+pytest.importorskip("torch", reason="the gloo backend needs PyTorch (extra `test`)")
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# The MLP of helpers.py: Dense(8 -> 16) and Dense(16 -> 3), float32.
+MLP_BYTES = (8 * 16 + 16 + 16 * 3 + 3) * 4
+
+
+@pytest.mark.multiworker
+def test_gloo_sums_equal_tensorflow_collectives_exactly():
+    """2 workers, the same fits with gloo and with TensorFlow's collectives:
+    the same weights to the bit (2 workers add in one order), every dense
+    bucket through gloo, FP16/BF16 payloads included."""
+    hooks = [
+        NoCompression(),
+        NoCompression(bucket_bytes=1),
+        FP16(),
+        BF16(),
+        PowerSGD(rank=2, start_step=2),
+    ]
+    configs = ([keras.saving.serialize_keras_object(h) for h in hooks],)
+    with_gloo = run_workers(
+        gloo_workers.hooks_fit,
+        args=configs,
+        env={"KERAS_DIST_COLLECTIVES": "gloo"},
+        timeout=300,
+    )
+    with_tf = run_workers(gloo_workers.hooks_fit, args=configs, timeout=300)
+    steps = 2 * 64 // 16
+    for index, hook in enumerate(hooks):
+        for worker in range(2):
+            got = with_gloo[worker][index]
+            reference = with_tf[worker][index]
+            assert reference["gloo"] is None
+            assert max_abs_diff(got["weights"], reference["weights"]) < 1e-6, hook
+            assert got["loss"] == pytest.approx(reference["loss"], rel=1e-6), hook
+        calls, nbytes = with_gloo[0][index]["gloo"]
+        assert calls > 0, hook
+        assert with_gloo[1][index]["gloo"] == (calls, nbytes)
+    # Per step, one all-reduce of the step's metric values (6 float32: the
+    # loss's and accuracy's sums and counts, trainer/logs.py) and the
+    # gradients': the whole model uncompressed, one per variable in 1-byte
+    # buckets, half the bytes for FP16 and BF16 (whose step's logs carry one
+    # more float32 value).
+    logs = 6 * 4
+    assert with_gloo[0][0]["gloo"] == (2 * steps, steps * (MLP_BYTES + logs))
+    assert with_gloo[0][1]["gloo"] == (5 * steps, steps * (MLP_BYTES + logs))
+    for index in (2, 3):
+        assert with_gloo[0][index]["gloo"] == (
+            2 * steps,
+            steps * (MLP_BYTES // 2 + logs + 4),
+        )
+
+
+def test_the_backend_is_chosen_by_name(monkeypatch):
+    monkeypatch.delenv(gloo.ENV_VAR, raising=False)
+    assert gloo.requested_backend() == "tensorflow"
+    monkeypatch.setenv(gloo.ENV_VAR, " GLOO ")
+    assert gloo.requested_backend() == "gloo"
+    monkeypatch.setenv(gloo.ENV_VAR, "nccl")
+    with pytest.raises(ValueError, match=r"KERAS_DIST_COLLECTIVES must be one of"):
+        gloo.requested_backend()
+
+
+def test_without_the_variable_nothing_changes(monkeypatch, mirrored):
+    monkeypatch.delenv(gloo.ENV_VAR, raising=False)
+    strategy = mirrored(2)
+    assert not gloo.enable_if_requested(strategy)
+    assert gloo.group_for(strategy) is None
+
+
+def test_gloo_refuses_several_devices_per_worker(monkeypatch, mirrored):
+    monkeypatch.setenv(gloo.ENV_VAR, "gloo")
+    with pytest.raises(ValueError, match=r"serves one device per worker.*has 2"):
+        gloo.enable_if_requested(mirrored(2))
+
+
+def test_gloo_without_torch_says_how_to_install_it(monkeypatch):
+    monkeypatch.setenv(gloo.ENV_VAR, "gloo")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with pytest.raises(ImportError, match=r"needs PyTorch.*pip install torch"):
+        gloo.enable_if_requested(strategy)
+
+
+def test_local_strategies_keep_tensorflow_collectives(monkeypatch, mirrored):
+    """The variable concerns worker processes: a local MirroredStrategy's
+    sums stay TensorFlow's (`own` asks gloo only for multi-worker ones)."""
+    monkeypatch.setenv(gloo.ENV_VAR, "gloo")
+    strategy = mirrored(2)
+    collectives.own(strategy)
+    assert gloo.group_for(strategy) is None
+    summed = strategy.run(lambda: collectives.all_reduce_sum([tf.ones([3])])[0])
+    np.testing.assert_array_equal(
+        strategy.experimental_local_results(summed)[0], [2.0, 2.0, 2.0]
+    )
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_a_lost_peer_fails_the_gloo_sum(how):
+    """Worker 1 stops between two sums. SIGKILLed: worker 0's next gloo sum
+    fails within seconds (the socket closes; gloo's own timeout is 30
+    minutes). Hung (alive, sockets open): it fails after the strategy's
+    `collective_timeout`, 5 s. The error names the worker, and `fit`
+    reports it as a lost peer (`gloo.is_failure`)."""
+    spec = cluster.local_cluster(workers=2)
+    processes = []
+    for index in range(2):
+        env = {
+            **os.environ,
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "PYTHONPATH": os.pathsep.join([TESTS, os.path.dirname(TESTS)]),
+            "TF_CONFIG": cluster.make_tf_config(spec, "worker", index),
+            "KERAS_DIST_COLLECTIVES": "gloo",
+        }
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(TESTS, "gloo_workers.py"), how],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        output, _ = processes[0].communicate(timeout=240)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    if how == "kill":
+        assert processes[1].returncode == -signal.SIGKILL
+    assert processes[0].returncode == 0, output[-3000:]
+    line = next(x for x in output.splitlines() if x.startswith("OUTCOME "))
+    outcome = json.loads(line[len("OUTCOME ") :])
+    assert outcome["done"] == 2, outcome
+    assert outcome["type"] == "UnknownError", outcome
+    assert outcome["is_failure"], outcome
+    assert "gloo all-reduce failed on worker 0 of 2" in outcome["message"]
+    if how == "hang":
+        assert "within 5 s" in outcome["message"], outcome
+        assert 4 < outcome["seconds"] < 60, outcome
+    else:
+        assert outcome["seconds"] < 60, outcome
