@@ -684,6 +684,16 @@ def ring_subdivisions():
     return tf_internal.subdivide_all_reduces, collectives.RING_SUBDIVS
 
 
+def gloo_switch():
+    """`use(strategy, enabled)`: sends `strategy`'s gradient sums through
+    keras_dist's gloo backend (`KERAS_DIST_COLLECTIVES=gloo`) or TensorFlow's
+    collectives, for what is traced afterwards (`bench_ddp.py` times both in
+    the same processes)."""
+    from keras_dist.core import gloo
+
+    return gloo.use
+
+
 def private_backup_modules():
     """`keras_dist.backup.transfer` and `keras_dist.backup.store`:
     `bench_backup.py` times `transfer.snapshot_values` (the gather),

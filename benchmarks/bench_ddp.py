@@ -9,7 +9,9 @@ the SAME two worker processes (each process is a worker of a
 
 - keras_dist: `keras_dist.DistributedModel.fit` with `NoCompression()`,
   `FP16()` and `PowerSGD(rank=4, start_step=0)` (4 MiB buckets, the
-  default), SGD;
+  default), SGD; each model twice, with TensorFlow's collectives and with
+  keras_dist's gloo backend (`KERAS_DIST_COLLECTIVES=gloo`, switched per
+  model before its step is traced);
 - DDP (gloo backend): no hook, `fp16_compress_hook` and `powerSGD_hook`
   (rank 4, warm start and error feedback as keras_dist's), SGD, with
   `bucket_cap_mb=4` to match keras_dist's buckets; uncompressed also with
@@ -25,7 +27,8 @@ communication dominates). Four conditions, each a fresh pair of processes:
 cores split (`TF_NUM_INTRAOP_THREADS=1` and `torch.set_num_threads(1)`, what
 `keras-dist launch` and torchrun do on one machine). Plus a raw all-reduce of
 100 MB of float32 in each framework (TensorFlow's collective through the
-strategy; gloo's `all_reduce`) against the ring floor 2(N-1)·S/B.
+strategy, whole and subdivided; keras_dist's gloo backend; gloo's
+`all_reduce`) against the ring floor 2(N-1)·S/B.
 
 The frameworks alternate block by block inside the same processes (the
 order reversed every other round), so a change in the machine's load hits
@@ -317,6 +320,27 @@ def all_reduce_times(tf, torch, strategy, job):
     run_tf_whole = traced_all_reduce(-1)
     run_tf = traced_all_reduce(default_subdivisions)
 
+    # keras_dist's gloo backend: the collective layer's sum, traced with it.
+    from keras_dist.core import collectives
+
+    use_gloo = harness.gloo_switch()
+    use_gloo(strategy, True)
+
+    @tf.function
+    def backend_all_reduce():
+        def step():
+            return collectives.all_reduce_sum([source])[0][:1]
+
+        return strategy.run(step)
+
+    backend_all_reduce.get_concrete_function()
+    use_gloo(strategy, False)
+
+    def run_backend():
+        start = time.perf_counter()
+        float(backend_all_reduce()[0])
+        return time.perf_counter() - start
+
     tensor = torch.ones(count, dtype=torch.float32)
 
     def run_torch():
@@ -327,6 +351,7 @@ def all_reduce_times(tf, torch, strategy, job):
     runners = {
         "tensorflow": run_tf,
         "tensorflow_whole": run_tf_whole,
+        "keras_dist_gloo": run_backend,
         "gloo": run_torch,
     }
     for runner in runners.values():
@@ -379,22 +404,30 @@ def worker_main(job):
         own = slice(rank * batch, (rank + 1) * batch)
         tx, ty = torch.from_numpy(x[own]), torch.from_numpy(y[own]).long()
         runners, first = {}, {}
+        use_gloo = harness.gloo_switch()
         for hook in job["hooks"]:
-            with strategy.scope():
-                model = harness.build_mlp(
-                    keras,
-                    keras_dist,
-                    width,
-                    hidden,
-                    keras_hook(keras_dist, hook),
-                    learning_rate,
+            # keras_dist with TensorFlow's collectives, then with its gloo
+            # backend (the switch acts on what the warm-up fit traces).
+            for backend in ("keras", "keras_gloo"):
+                use_gloo(strategy, backend == "keras_gloo")
+                with strategy.scope():
+                    model = harness.build_mlp(
+                        keras,
+                        keras_dist,
+                        width,
+                        hidden,
+                        keras_hook(keras_dist, hook),
+                        learning_rate,
+                    )
+                start = time.perf_counter()
+                model.fit(dataset, epochs=1, steps_per_epoch=job["warmup"], verbose=0)
+                first[f"{hook}/{backend}"] = time.perf_counter() - start
+                runners[f"{hook}/{backend}"] = (
+                    lambda steps, model=model, dataset=dataset: harness.timed_fit(
+                        keras, model, dataset, steps
+                    )
                 )
-            start = time.perf_counter()
-            model.fit(dataset, epochs=1, steps_per_epoch=job["warmup"], verbose=0)
-            first[f"{hook}/keras"] = time.perf_counter() - start
-            runners[f"{hook}/keras"] = lambda steps, model=model, dataset=dataset: (
-                harness.timed_fit(keras, model, dataset, steps)
-            )
+            use_gloo(strategy, False)
             for config in DDP_CONFIGS[hook]:
                 ddp, optimizer = build_ddp(
                     torch, width, hidden, hook, config, learning_rate
@@ -482,6 +515,10 @@ def summarize(results) -> dict:
                     ddp_step = rows[f"{hook}/{config}"]["median_step_seconds"]
                     item[config] = ddp_step
                     item[f"ratio_{config}"] = keras_step / ddp_step
+                if f"{hook}/keras_gloo" in rows:
+                    gloo_step = rows[f"{hook}/keras_gloo"]["median_step_seconds"]
+                    item["keras_dist_gloo"] = gloo_step
+                    item["ratio_gloo_ddp_4m"] = gloo_step / item["ddp_4m"]
                 summary[f"{condition}/{model_name}/{hook}"] = item
     return summary
 
@@ -498,8 +535,10 @@ def format_table(summary, rate) -> str:
                 model_name,
                 HOOK_LABELS[hook],
                 f"{item['keras_dist']:.3f}",
+                f"{item.get('keras_dist_gloo', float('nan')):.3f}",
                 f"{item['ddp_4m']:.3f}",
                 f"**{item['ratio_ddp_4m']:.2f}**",
+                f"**{item.get('ratio_gloo_ddp_4m', float('nan')):.2f}**",
                 "; ".join(
                     f"{DDP_LABELS[c]}: {item[c]:.3f} ({item['ratio_' + c]:.2f})"
                     for c in DDP_CONFIGS[hook][1:]
@@ -511,11 +550,13 @@ def format_table(summary, rate) -> str:
         "model",
         "hook",
         "keras_dist step (s)",
+        "keras_dist, gloo backend step (s)",
         "DDP 4 MiB step (s)",
         "keras_dist / DDP",
+        "keras_dist gloo / DDP",
         "other DDP: step (s) (keras_dist / it)",
     ]
-    return harness.table(header, rows, align="lllrrrr")
+    return harness.table(header, rows, align="lllrrrrrr")
 
 
 def format_all_reduce(results, rate) -> str:
@@ -529,6 +570,7 @@ def format_all_reduce(results, rate) -> str:
         tf_s = times["tensorflow"]["median_seconds"]
         gloo_s = times["gloo"]["median_seconds"]
         whole = times.get("tensorflow_whole", {}).get("median_seconds")
+        backend = times.get("keras_dist_gloo", {}).get("median_seconds")
         rows.append(
             [
                 CONDITION_LABELS[condition].format(
@@ -536,10 +578,13 @@ def format_all_reduce(results, rate) -> str:
                 ),
                 f"{tf_s:.3f}",
                 "" if whole is None else f"{whole:.3f}",
+                "" if backend is None else f"{backend:.3f}",
                 f"{gloo_s:.3f}",
                 f"{tf_s / gloo_s:.2f}",
+                "" if backend is None else f"{backend / gloo_s:.2f}",
                 f"{floor:.2f}" if shaped else "",
                 f"{floor / tf_s:.0%}" if shaped else "",
+                "" if backend is None or not shaped else f"{floor / backend:.0%}",
                 f"{floor / gloo_s:.0%}" if shaped else "",
             ]
         )
@@ -547,13 +592,16 @@ def format_all_reduce(results, rate) -> str:
         "network, threads",
         "TensorFlow, subdivided (s)",
         "TensorFlow, whole tensors (s)",
+        "keras_dist gloo backend (s)",
         "gloo (s)",
         "TF / gloo",
+        "keras_dist gloo / gloo",
         "ring floor (s)",
         "TF of floor",
+        "keras_dist gloo of floor",
         "gloo of floor",
     ]
-    return harness.table(header, rows, align="lrrrrrrr")
+    return harness.table(header, rows, align="lrrrrrrrrrr")
 
 
 def plot(plt, report, path):
@@ -589,6 +637,26 @@ def plot(plt, report, path):
                 label=CONDITION_LABELS[condition].format(rate=label_rate),
             )
             ax.bar_label(bars, fmt="%.2f", fontsize=6)
+            gloo_values = [
+                summary.get(f"{condition}/{model_name}/{h}", {}).get(
+                    "ratio_gloo_ddp_4m"
+                )
+                for h in hooks
+            ]
+            if any(v is not None for v in gloo_values):
+                # The gloo backend's ratio: a black tick on the same bar.
+                ax.scatter(
+                    [
+                        i + (offset - (len(conditions) - 1) / 2) * width
+                        for i in range(len(hooks))
+                    ],
+                    [v or 0 for v in gloo_values],
+                    marker="_",
+                    s=120,
+                    color="black",
+                    zorder=3,
+                    label="keras_dist, gloo backend" if offset == 0 else None,
+                )
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.35)
         ax.set_xticks(range(len(hooks)), [HOOK_LABELS[h] for h in hooks], fontsize=8)
@@ -602,13 +670,14 @@ def plot(plt, report, path):
         positions = range(len(names))
         frameworks = [
             f
-            for f in ("tensorflow_whole", "tensorflow", "gloo")
+            for f in ("tensorflow_whole", "tensorflow", "keras_dist_gloo", "gloo")
             if all(f in all_reduce[c] for c in names)
         ]
         labels = {
             "tensorflow_whole": "TensorFlow, whole tensors",
             "tensorflow": "TensorFlow, subdivided (keras_dist)",
-            "gloo": "gloo",
+            "keras_dist_gloo": "keras_dist, gloo backend",
+            "gloo": "gloo (PyTorch)",
         }
         bar = 0.8 / len(frameworks)
         for offset, framework in enumerate(frameworks):

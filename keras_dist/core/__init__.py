@@ -3,9 +3,11 @@
 Pure TensorFlow; nothing here imports Keras (a test imports the core with
 `keras` blocked). From the bottom up:
 
+- `topology`: where this process sits in a strategy (replicas, workers).
+- `gloo`: the optional gloo backend of CPU workers' gradient sums
+  (`KERAS_DIST_COLLECTIVES=gloo`, PyTorch's process group).
 - `collectives`: the collective layer (owns collective keys; all-reduce,
   all-gather, buckets, packing); every collective of the package.
-- `topology`: where this process sits in a strategy (replicas, workers).
 - `hooks`: the all-reduce hook protocol; `plain`, `casts`, `topk`,
   `powersgd`, `dgc`: the built-in hooks' algorithms; `optimizer_view`: what
   a hook may know of the optimizer (each front end builds it).

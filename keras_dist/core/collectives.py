@@ -260,14 +260,19 @@ def _sum_by_bucket(tensors, sum_group, bucket_bytes):
     result = [None] * len(tensors)
     # With KERAS_DIST_COLLECTIVES=gloo, the dense buckets of a multi-worker
     # CPU strategy go through gloo (core/gloo.py).
+    # Its buckets are all started before any is waited for: their
+    # all-reduces overlap, as DDP's do.
     backend = gloo.group_for(ctx.strategy)
+    started = []
     for bucket in plan_buckets(tensors, bucket_bytes):
         group = [tensors[i] for i in bucket]
         if backend is not None and backend.carries(group):
-            summed = backend.sum(group)
-        else:
-            summed = sum_group(ctx, group)
-        for i, value in zip(bucket, summed):
+            started.append((bucket, backend.start(group)))
+            continue
+        for i, value in zip(bucket, sum_group(ctx, group)):
+            result[i] = value
+    for bucket, pending in started:
+        for i, value in zip(bucket, backend.finish(pending)):
             result[i] = value
     return result
 

@@ -38,6 +38,7 @@ import datetime
 import os
 import threading
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -66,6 +67,9 @@ FAILURE = "keras_dist's gloo all-reduce failed"
 
 _lock = threading.Lock()
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Groups of strategies switched back to TensorFlow (`use(..., False)`), kept
+# for a switch back: a process group is met once per strategy.
+_disabled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def requested_backend() -> str:
@@ -110,10 +114,30 @@ def enable_if_requested(strategy) -> bool:
             f"({list(strategy.extended.worker_devices)}). Unset {ENV_VAR} "
             "for TensorFlow's collectives (NCCL on GPUs)."
         )
-    _import_torch()
-    with _lock:
-        _groups.setdefault(strategy.extended, None)
+    use(strategy)
     return True
+
+
+def use(strategy, enabled: bool = True) -> None:
+    """Sends `strategy`'s gradient sums through gloo, or back to TensorFlow.
+
+    For what is traced afterwards: a function traced before keeps its
+    collectives. `KERAS_DIST_COLLECTIVES=gloo` calls it for every
+    multi-worker strategy; this is the switch for one strategy (a benchmark
+    times both in the same processes). Every worker must make the same
+    choice before tracing the same step.
+
+    Raises:
+        ImportError: `enabled` and PyTorch (with gloo) is not installed.
+    """
+    with _lock:
+        if not enabled:
+            if strategy.extended in _groups:
+                _disabled[strategy.extended] = _groups.pop(strategy.extended)
+            return
+        _import_torch()
+        if strategy.extended not in _groups:
+            _groups[strategy.extended] = _disabled.pop(strategy.extended, None)
 
 
 def group_for(strategy) -> GlooGroup | None:
@@ -187,6 +211,12 @@ class GlooGroup:
         ]
         self._group = dist.ProcessGroupGloo(store, rank, size, options)
         self._last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Started all-reduces by ticket: (buffer, gloo work). A step that
+        # fails between a start and its finish leaves its entries; the
+        # failure (a lost peer) ends the group's use anyway.
+        self._in_flight: dict = {}
+        self._next_ticket = 0
+        self._tickets_lock = threading.Lock()
 
     @classmethod
     def connect(cls, strategy) -> GlooGroup:
@@ -221,46 +251,91 @@ class GlooGroup:
     def sum(self, tensors):
         """Sums `tensors` (one dtype, static shapes) over the workers.
 
-        One gloo all-reduce of their concatenation; replica context of the
-        strategy this group belongs to.
+        `finish(start(tensors))`: one gloo all-reduce of their concatenation.
+        Replica context of the strategy this group belongs to.
         """
-        dtype = tf.as_dtype(tensors[0].dtype)
+        return self.finish(self.start(tensors))
+
+    def start(self, tensors) -> _Pending:
+        """Starts the sum of one bucket; `finish` waits for it.
+
+        The buckets' all-reduces are issued in the order of the `start`
+        calls (chained by control dependencies: every worker issues them in
+        that order, as gloo matches them) and run while the step goes on, as
+        DDP's do: call `start` for every bucket, then `finish` for each.
+        """
         flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
         graph = tf.compat.v1.get_default_graph()
         previous = self._last.get(graph)
         with tf.control_dependencies([] if previous is None else [previous]):
-            summed = tf.numpy_function(
-                self._sum_in_place, [flat], dtype, stateful=True, name="gloo_sum"
+            ticket = tf.numpy_function(
+                self._start, [flat], tf.int64, stateful=True, name="gloo_start"
             )
-        self._last[graph] = summed
-        summed.set_shape(flat.shape)
-        sizes = [int(np.prod(t.shape)) for t in tensors]
+        self._last[graph] = ticket
+        return _Pending(ticket, [t.shape for t in tensors], flat.dtype, flat.shape)
+
+    def finish(self, pending: _Pending) -> list:
+        """Waits for a bucket's sum; its tensors, in the order given to `start`."""
+        summed = tf.numpy_function(
+            self._finish,
+            [pending.ticket],
+            pending.dtype,
+            stateful=True,
+            name="gloo_finish",
+        )
+        summed.set_shape(pending.flat_shape)
+        sizes = [int(np.prod(shape)) for shape in pending.shapes]
         return [
-            tf.reshape(part, t.shape)
-            for t, part in zip(tensors, tf.split(summed, sizes), strict=True)
+            tf.reshape(part, shape)
+            for shape, part in zip(pending.shapes, tf.split(summed, sizes), strict=True)
         ]
 
-    def _sum_in_place(self, array):
+    def _start(self, array):
         # TensorFlow may hand over a buffer other ops still read: sum a copy.
         buffer = np.array(array, copy=True)
-        if buffer.size == 0:
-            return buffer
         torch = self._torch
         if buffer.dtype.name == "bfloat16":
             tensor = torch.from_numpy(buffer.view(np.int16)).view(torch.bfloat16)
         else:
             tensor = torch.from_numpy(buffer)
-        self.calls += 1
-        self.bytes += buffer.nbytes
-        try:
-            self._group.allreduce([tensor]).wait()
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"{FAILURE} on worker {self.rank} of "
-                f"{self.size}: a peer stopped, or did not answer within "
-                f"{self.timeout:g} s. {error}"
-            ) from error
+        work = None
+        if buffer.size:
+            try:
+                work = self._group.allreduce([tensor])
+            except RuntimeError as error:
+                raise self._failed(error) from error
+        with self._tickets_lock:
+            self.calls += 1
+            self.bytes += buffer.nbytes
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            self._in_flight[ticket] = (buffer, work)
+        return np.int64(ticket)
+
+    def _finish(self, ticket):
+        with self._tickets_lock:
+            buffer, work = self._in_flight.pop(int(ticket))
+        if work is not None:
+            try:
+                work.wait()
+            except RuntimeError as error:
+                raise self._failed(error) from error
         return buffer
+
+    def _failed(self, error) -> RuntimeError:
+        return RuntimeError(
+            f"{FAILURE} on worker {self.rank} of {self.size}: a peer stopped, "
+            f"or did not answer within {self.timeout:g} s. {error}"
+        )
+
+
+class _Pending(NamedTuple):
+    """A started bucket sum: its ticket tensor and what `finish` rebuilds."""
+
+    ticket: tf.Tensor
+    shapes: list
+    dtype: tf.DType
+    flat_shape: tf.TensorShape
 
 
 def is_failure(error) -> bool:
