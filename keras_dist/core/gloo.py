@@ -6,27 +6,31 @@ its reduction starts. Between 2 processes on one machine, 100 MB of float32
 take 0.21-0.24 s that way (subdivided, `collectives.RING_SUBDIVS`) and 0.08-
 0.09 s with gloo over plain TCP, the backend PyTorch's DDP uses on CPUs
 (docs/benchmarks/ddp.md). With `KERAS_DIST_COLLECTIVES=gloo` in every
-worker's environment, the gradient sums of a `MultiWorkerMirroredStrategy`
-with one device per worker (`collectives.all_reduce_sum` and
-`all_reduce_flat`: every hook's dense buckets) travel through a gloo process
-group instead; everything else (metrics, gathers, sharded optimizer state,
-sparse gradients) stays on TensorFlow's collectives.
+worker's environment, the sums of `collectives.all_reduce_sum` and
+`all_reduce_flat` (every hook's dense buckets, and the step's metric sums)
+of a `MultiWorkerMirroredStrategy` with one device per worker travel
+through a gloo process group instead; everything else (gathers, the
+batch-size and norm reductions, sharded optimizer state, sparse gradients)
+stays on TensorFlow's collectives.
 
 How: each bucket is flattened into one buffer and handed to a
 `tf.numpy_function` that copies it (TensorFlow may share the input's memory
-with other consumers) and sums it in place with gloo. Every worker issues
-the same buckets in the same order: the functions are stateful and chained
-by control dependencies, so they run in program order. The process group is
-made the first time a strategy's gradients are summed: the first worker opens
-a `TCPStore` on a free port of its host and publishes its address in
+with other consumers) and starts a gloo all-reduce of the copy; a second
+one waits for it. A step starts all its buckets before it waits for any,
+so their all-reduces overlap each other and the backward pass, as DDP's do.
+Every worker starts the same buckets in the same order (gloo matches
+collectives by order): the starts are stateful and chained by control
+dependencies, so they run in program order. The process group is made the
+first time a strategy's gradients are summed: the first worker opens a
+`TCPStore` on a free port of its host and publishes its address in
 TensorFlow's coordination service, the others read it there.
 
 Guarantees: the sums are those of TensorFlow's collective up to float
 rounding (the same for 2 workers; gloo's ring adds in another order beyond).
 A peer that dies closes its sockets, and the others' step fails at once with
 an error naming the worker; a peer that hangs fails the step after the
-strategy's collective timeout (`collective_timeout` of
-`keras_dist.multi_worker_strategy`), or 30 minutes without one, gloo's
+strategy's collective timeout (`keras_dist.auto_strategy(collective_timeout=
+...)` or `KERAS_DIST_COLLECTIVE_TIMEOUT`), or 30 minutes without one, gloo's
 default. PyTorch is needed only in the workers that use the backend
 (`pip install torch`, the CPU wheel:
 `--index-url https://download.pytorch.org/whl/cpu`).
@@ -50,14 +54,9 @@ ENV_VAR = "KERAS_DIST_COLLECTIVES"
 BACKENDS = ("tensorflow", "gloo")
 
 # gloo sums these; a bucket of another dtype stays on TensorFlow's collective.
-_TORCH_DTYPES = {
-    tf.float16: "float16",
-    tf.bfloat16: "bfloat16",
-    tf.float32: "float32",
-    tf.float64: "float64",
-    tf.int32: "int32",
-    tf.int64: "int64",
-}
+_GLOO_DTYPES = frozenset(
+    [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64]
+)
 # Without a strategy timeout: gloo's (and `torch.distributed`'s) default.
 DEFAULT_TIMEOUT_SECONDS = 1800.0
 _KEY_PREFIX = "keras_dist/gloo/"
@@ -244,7 +243,7 @@ class GlooGroup:
 
         gloo takes the dtypes PyTorch has and shapes known when tracing.
         """
-        return tf.as_dtype(tensors[0].dtype) in _TORCH_DTYPES and all(
+        return tf.as_dtype(tensors[0].dtype) in _GLOO_DTYPES and all(
             t.shape.is_fully_defined() for t in tensors
         )
 
