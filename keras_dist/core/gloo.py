@@ -261,7 +261,7 @@ class GlooGroup:
         The buckets' all-reduces are issued in the order of the `start`
         calls (chained by control dependencies: every worker issues them in
         that order, as gloo matches them) and run while the step goes on, as
-        DDP's do: call `start` for every bucket, then `finish` for each.
+        DDP's do.
         """
         flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
         graph = tf.compat.v1.get_default_graph()
@@ -274,12 +274,20 @@ class GlooGroup:
         return _Pending(ticket, [t.shape for t in tensors], flat.dtype, flat.shape)
 
     def finish(self, pending: _Pending) -> list:
-        """Waits for a bucket's sum; its tensors, in the order given to `start`."""
+        """Waits for a bucket's sum; its tensors, in the order given to `start`.
+
+        The wait is stateless: it depends on its `start` only, not on the
+        stateful ops created between (TensorFlow orders those in program
+        order). So the next bucket's `start` does not wait for this sum, even
+        when a hook sums its buckets one call at a time, as `NoCompression`
+        does. A wait holds one of TensorFlow's inter-op threads until gloo's
+        own threads finish the sum.
+        """
         summed = tf.numpy_function(
             self._finish,
             [pending.ticket],
             pending.dtype,
-            stateful=True,
+            stateful=False,
             name="gloo_finish",
         )
         summed.set_shape(pending.flat_shape)
