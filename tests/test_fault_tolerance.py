@@ -183,9 +183,12 @@ def test_sigkill_mid_accumulation_powersgd_resumes_exactly(tmp_path, references)
 def test_gloo_backend_sigkill_resumes_exactly_as_tensorflow_collectives(
     tmp_path, references
 ):
-    """The same kill with the gradients summed by gloo: the survivor's step
+    """The same kill with KERAS_DIST_COLLECTIVES=gloo: the survivor's step
     fails, the restarted job meets again through a new gloo group, and the
-    run ends with the weights of the reference (TensorFlow's collectives)."""
+    run ends with the weights of the reference (TensorFlow's collectives).
+    fault_worker.py accumulates gradients, whose sums run in a `tf.cond`
+    and so stay on TensorFlow's collectives; the step's metric sums go
+    through gloo (test_gloo.py covers the gradients')."""
     pytest.importorskip("torch", reason="the gloo backend needs PyTorch")
     status, output, _ = launch(
         tmp_path,

@@ -34,12 +34,15 @@ MLP_BYTES = (8 * 16 + 16 + 16 * 3 + 3) * 4
 def test_gloo_sums_equal_tensorflow_collectives_exactly():
     """2 workers, the same fits with gloo and with TensorFlow's collectives:
     the same weights to the bit (2 workers add in one order), every dense
-    bucket through gloo, FP16/BF16 payloads included."""
+    bucket outside a `tf.cond` through gloo, FP16/BF16 payloads included."""
     hooks = [
         NoCompression(),
         NoCompression(bucket_bytes=1),
         FP16(),
         BF16(),
+        PowerSGD(rank=2, start_step=0),
+        # Plain sums for 2 steps, then compressed: the switch is a `tf.cond`
+        # whose sums stay on TensorFlow's collectives.
         PowerSGD(rank=2, start_step=2),
     ]
     configs = ([keras.saving.serialize_keras_object(h) for h in hooks],)
@@ -74,6 +77,12 @@ def test_gloo_sums_equal_tensorflow_collectives_exactly():
             2 * steps,
             steps * (MLP_BYTES // 2 + logs + 4),
         )
+    # PowerSGD from the first step: its factors and uncompressed biases in
+    # gloo (fewer bytes than the model); behind the cond, the metric sums
+    # only (with one more float32 value, as FP16's).
+    calls, nbytes = with_gloo[0][4]["gloo"]
+    assert calls > 2 * steps and nbytes < steps * (MLP_BYTES + logs)
+    assert with_gloo[0][5]["gloo"] == (steps, steps * (logs + 4))
 
 
 def test_the_backend_is_chosen_by_name(monkeypatch):

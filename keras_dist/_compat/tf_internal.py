@@ -317,3 +317,28 @@ def collective_timeout(strategy) -> float | None:
     """Seconds `strategy`'s collectives wait for a peer, or `None` (forever)."""
     options = getattr(strategy.extended, "_communication_options", None)
     return getattr(options, "timeout_seconds", None)
+
+
+# --- Control flow graphs -------------------------------------------------------
+#
+# A `tf.cond` branch and a `tf.while_loop` body are function graphs of their
+# own (`control_flow_v2_func_graphs.ControlFlowFuncGraph`). TensorFlow's
+# automatic control dependencies chain the stateful ops of a function in
+# program order only while they have no resource inputs: an `If` or `While`
+# op that captures a variable is ordered by its resources alone, so ops in
+# its branches can run before or after the stateful ops around it. The gloo
+# backend needs one order on every worker, and keeps such sums on
+# TensorFlow's collectives (ordered by their own tokens).
+
+
+def in_control_flow() -> bool:
+    """Whether ops are being added inside a `tf.cond` or `tf.while_loop`,
+    directly or in a function called from one."""
+    from tensorflow.python.ops import control_flow_v2_func_graphs
+
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if isinstance(graph, control_flow_v2_func_graphs.ControlFlowFuncGraph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False

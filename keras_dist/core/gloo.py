@@ -241,10 +241,18 @@ class GlooGroup:
     def carries(self, tensors) -> bool:
         """Whether gloo sums `tensors` (one bucket), else TensorFlow does.
 
-        gloo takes the dtypes PyTorch has and shapes known when tracing.
+        gloo takes the dtypes PyTorch has, shapes known when tracing, and
+        sums outside `tf.cond` and `tf.while_loop`: TensorFlow does not
+        order a cond that captures variables (PowerSGD's switch to
+        compression, FP16's resend, gradient accumulation's update) with
+        the ops around it, so its sums could reach gloo in another order on
+        another worker (`tf_internal.in_control_flow`). Those stay on
+        TensorFlow's collectives.
         """
-        return tf.as_dtype(tensors[0].dtype) in _GLOO_DTYPES and all(
-            t.shape.is_fully_defined() for t in tensors
+        return (
+            tf.as_dtype(tensors[0].dtype) in _GLOO_DTYPES
+            and all(t.shape.is_fully_defined() for t in tensors)
+            and not tf_internal.in_control_flow()
         )
 
     def sum(self, tensors):
