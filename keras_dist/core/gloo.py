@@ -9,9 +9,10 @@ take 0.21-0.24 s that way (subdivided, `collectives.RING_SUBDIVS`) and 0.08-
 worker's environment, the sums of `collectives.all_reduce_sum` and
 `all_reduce_flat` (every hook's dense buckets, and the step's metric sums)
 of a `MultiWorkerMirroredStrategy` with one device per worker travel
-through a gloo process group instead; everything else (gathers, the
-batch-size and norm reductions, sharded optimizer state, sparse gradients)
-stays on TensorFlow's collectives.
+through a gloo process group instead, unless they are traced inside a
+`tf.cond` or `tf.while_loop` (`GlooGroup.carries`); everything else
+(gathers, the batch-size and norm reductions, sharded optimizer state,
+sparse gradients) stays on TensorFlow's collectives.
 
 How: each bucket is flattened into one buffer and handed to a
 `tf.numpy_function` that copies it (TensorFlow may share the input's memory
