@@ -1,56 +1,14 @@
-"""Bodies of the gloo backend's multi-worker tests (tests/test_gloo.py).
+"""The gloo backend's lost-peer script (tests/test_gloo.py).
 
-Each runs in a real worker process started by `keras_dist.testing.run_workers`
-with `KERAS_DIST_COLLECTIVES` set (or not) in its environment. This module
-holds no tests, so the workers import neither pytest nor conftest.
+Run as a script in each worker process (not by `run_workers`, which would
+stop worker 0 when worker 1 dies); the fits that compare the backends are
+`workers.compressed_fit`. This module holds no tests, so the workers import
+neither pytest nor conftest.
 """
 
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-
-
-def hooks_fit(hook_configs, epochs=2, batch_size=16):
-    """Trains the helpers' MLP with each hook on MultiWorkerMirroredStrategy.
-
-    Returns, per hook: the weights and losses; and the gloo group's count of
-    all-reduces and bytes (`None` when the gradients went through
-    TensorFlow's collectives).
-    """
-    import keras
-    import tensorflow as tf
-    from helpers import compile_model, make_data, mlp, sharded_dataset
-
-    import keras_dist
-    import keras_dist.compression  # registers the hooks for deserialization
-    from keras_dist.core import gloo
-
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    x, y = make_data()
-    dataset = sharded_dataset(x, y, batch_size)
-    results = []
-    before = (0, 0)
-    for config in hook_configs:
-        hook = keras.saving.deserialize_keras_object(config)
-        with strategy.scope():
-            model = compile_model(
-                mlp(keras_dist.DistributedModel), keras.optimizers.SGD(0.1)
-            )
-            model.register_all_reduce_hook(hook)
-        history = model.fit(dataset, epochs=epochs, verbose=0)
-        group = gloo.group_for(strategy)
-        results.append(
-            {
-                "weights": model.get_weights(),
-                "loss": history.history["loss"],
-                "gloo": None
-                if group is None
-                else (group.calls - before[0], group.bytes - before[1]),
-            }
-        )
-        if group is not None:
-            before = (group.calls, group.bytes)
-    return results
 
 
 def sums_until_a_peer_dies(how="kill", deaths_after=2, sums=5):

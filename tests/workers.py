@@ -162,8 +162,10 @@ def compressed_fit(hook_configs, epochs=2, batch_size=16):
         hook_configs: List of `keras.saving.serialize_keras_object` outputs.
 
     Returns:
-        Per hook (in order): weights, loss history, stats ratio, and this
-        worker's copy of every hook state variable.
+        Per hook (in order): weights, loss history, stats ratio, this
+        worker's copy of every hook state variable, and the gloo group's
+        running count of all-reduces and bytes after that fit (`None` when
+        the sums went through TensorFlow's collectives, see test_gloo.py).
     """
     import keras
     import tensorflow as tf
@@ -171,6 +173,7 @@ def compressed_fit(hook_configs, epochs=2, batch_size=16):
 
     import keras_dist
     import keras_dist.compression  # registers the hooks for deserialization
+    from keras_dist.core import gloo
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     x, y = make_data()
@@ -184,6 +187,7 @@ def compressed_fit(hook_configs, epochs=2, batch_size=16):
             )
             model.register_all_reduce_hook(hook)
         history = model.fit(dataset, epochs=epochs, verbose=0)
+        group = gloo.group_for(strategy)
         results.append(
             {
                 "weights": model.get_weights(),
@@ -194,6 +198,7 @@ def compressed_fit(hook_configs, epochs=2, batch_size=16):
                     name: strategy.experimental_local_results(variable)[0].numpy()
                     for name, variable in hook._state.items()
                 },
+                "gloo": None if group is None else (group.calls, group.bytes),
             }
         )
     return results
