@@ -259,9 +259,8 @@ def _sum_by_bucket(tensors, sum_group, bucket_bytes):
         return tensors
     result = [None] * len(tensors)
     # With KERAS_DIST_COLLECTIVES=gloo, the dense buckets of a multi-worker
-    # CPU strategy go through gloo (core/gloo.py).
-    # Its buckets are all started before any is waited for: their
-    # all-reduces overlap, as DDP's do.
+    # CPU strategy go through gloo (core/gloo.py): all are started before
+    # any is waited for, so their all-reduces overlap, as DDP's do.
     backend = gloo.group_for(ctx.strategy)
     started = []
     for bucket in plan_buckets(tensors, bucket_bytes):
