@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -34,6 +35,7 @@ import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import keras_dist  # noqa: E402
+from keras_dist.parameter_server.training import fetch  # noqa: E402
 
 NUM_PS = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["ps"])
 partitioner = None
@@ -231,10 +233,9 @@ def sharded():
 
         def on_train_batch_end(self, batch, logs=None):
             if not self.killed and batch >= 10:
-                with open(os.path.join(OUT_DIR, "worker_1.pid")) as file:
-                    os.kill(int(file.read()), signal.SIGKILL)
                 KillWorker.killed = True
                 result["killed_at_batch"] = batch
+                result["fetched_as_killed"] = _kill_worker_1_while_fetching()
 
     model = dense_model()
     history = model.fit(
@@ -263,6 +264,24 @@ def ps_failure():
     except Exception as error:  # the test reads what it was
         result["ps_failure"] = f"{type(error).__name__}: {error}"
         result["ps_failure_cause"] = type(error.__cause__).__name__
+
+
+def _kill_worker_1_while_fetching():
+    """SIGKILLs worker:1 while big outputs are being read from the workers.
+
+    The coordinator's thread for a worker copies each closure's outputs
+    once they are marked ready, and so does `fetch` here: at the kill, one
+    of them is copying from worker:1 and the other waits to. A CI run ended
+    fit with this race (the thread that copies later copies from the dead
+    worker). Returns the sum of each output.
+    """
+    with open(os.path.join(OUT_DIR, "worker_1.pid")) as file:
+        pid = int(file.read())
+    cluster = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    ones = tf.function(lambda: tf.ones([4 * 2**20]))  # 16 MB
+    remotes = [cluster.schedule(ones) for _ in range(40)]
+    threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+    return [float(np.sum(fetch(cluster, remote))) for remote in remotes]
 
 
 def _ps_pid():

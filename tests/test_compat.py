@@ -372,6 +372,20 @@ def test_checkpoint_writes_what_an_instance_serializes(tmp_path):
     assert restored[0].numpy().tolist() == [1.0, 2.0, 3.0]
 
 
+def test_a_closure_outputs_are_where_we_read_their_devices():
+    # `parameter_server.training` tells a worker lost with a completed step's
+    # outputs from a lost ps task by where the outputs live.
+    from tensorflow.python.distribute.coordinator import values
+
+    from keras_dist._compat import tf_internal
+
+    remote = values.RemoteValueImpl(None, None)
+    assert tf_internal.remote_value_devices(remote) == set()
+    loss = tf.constant(1.0)
+    remote._set_values({"loss": loss, "steps": 3})
+    assert tf_internal.remote_value_devices(remote) == {loss.device}
+
+
 def test_the_global_batch_of_fit_input_is_read_without_reading_data():
     # Elastic resume needs the new run's global batch; reading an element
     # would move a reshuffling dataset's seed generator on.

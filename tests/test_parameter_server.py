@@ -162,6 +162,14 @@ def test_a_sigkilled_worker_costs_no_step(sharded):
         "coordinator retries its steps on worker:0"
     ) in completed.stderr
     assert len(result["kill_history"]["loss"]) == 3
+    # It was killed while its closures' outputs were read (a race that ended
+    # fit in CI): each output was read whole, the lost ones after a rerun.
+    assert result["fetched_as_killed"] == [4.0 * 2**20] * 40
+    assert re.search(
+        r"the outputs of a step were lost with the worker that ran "
+        r"it \(/job:worker/replica:0/task:1/",
+        completed.stdout,
+    ), completed.stdout[-4000:]
     # Every scheduled step ran; a chunk that the killed worker had started
     # may have applied some of its updates before it died and runs again.
     assert result["kill_steps"] <= result["kill_iterations"] <= result["kill_steps"] + 4

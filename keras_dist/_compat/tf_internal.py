@@ -342,3 +342,20 @@ def in_control_flow() -> bool:
             return True
         graph = getattr(graph, "outer_graph", None)
     return False
+
+
+def remote_value_devices(remote_value) -> set[str]:
+    """The devices that hold a completed closure's outputs (`RemoteValue`).
+
+    `ClusterCoordinator` leaves a closure's outputs on the worker that ran
+    it (`RemoteValueImpl._values`) until they are fetched; they are lost with
+    that worker.
+    """
+    values = getattr(remote_value, "_values", None)
+    if values is None:
+        return set()
+    return {
+        value.device
+        for value in tf.nest.flatten(values, expand_composites=True)
+        if isinstance(getattr(value, "device", None), str) and value.device
+    }

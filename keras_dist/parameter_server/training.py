@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist._compat import keras_src as _compat
+from keras_dist._compat import tf_internal
 from keras_dist._validation import check_int
 from keras_dist.core.plain import NoCompression
 from keras_dist.optimizers import find_accumulator
@@ -68,6 +69,7 @@ def num_workers(strategy) -> int:
 
 
 _PS_TASK = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
+_WORKER_TASK = re.compile(r"/job:worker/replica:\d+/task:(\d+)")
 _ADDRESS = re.compile(r"ipv[46]:([^\s\",]+)")
 
 
@@ -97,6 +99,38 @@ def lost_ps_task_named():
             f"chief). TensorFlow's error: {type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}"
         ) from error
+
+
+def fetch(cluster, remote_value):
+    """A scheduled closure's outputs, read from the worker that ran it.
+
+    TensorFlow marks a closure's outputs ready once its function is
+    dispatched; the coordinator's thread for that worker then copies them
+    here and, when the copy fails because the worker died, runs the closure
+    again on another worker. A `fetch` from this thread can take the copy
+    first, and then raises `UnavailableError` for a closure that is retried
+    (seen in CI: a SIGKILLed worker ended `fit`). Here the closure is waited
+    for again and its outputs read from where it ran the second time. A lost
+    ps task still raises, for `lost_ps_task_named`.
+    """
+    for _ in range(num_workers(cluster.strategy)):
+        try:
+            return remote_value.fetch()
+        except (tf.errors.UnavailableError, tf.errors.CancelledError) as error:
+            holders = tf_internal.remote_value_devices(remote_value)
+            if _PS_TASK.search(str(error)) or not any(
+                _WORKER_TASK.search(device) for device in holders
+            ):
+                raise
+            logger.warning(
+                "keras_dist: the outputs of a step were lost with the worker "
+                "that ran it (%s); the coordinator runs it again on another "
+                "worker. TensorFlow's error: %s",
+                ", ".join(sorted(holders)),
+                str(error).splitlines()[0] if str(error) else type(error).__name__,
+            )
+            cluster.join()
+    return remote_value.fetch()
 
 
 # --- Checks ------------------------------------------------------------------
@@ -379,7 +413,8 @@ def _metrics_logs(model) -> dict:
 class _InFlight:
     """Scheduled chunks, completed in order; reports each to the callbacks."""
 
-    def __init__(self, limit, on_done):
+    def __init__(self, cluster, limit, on_done):
+        self._cluster = cluster
         self._pending = collections.deque()
         self._limit = limit
         self._on_done = on_done
@@ -396,7 +431,7 @@ class _InFlight:
 
     def _complete_oldest(self):
         step, remote_value = self._pending.popleft()
-        self.last_logs = _to_floats(remote_value.fetch())
+        self.last_logs = _to_floats(fetch(self._cluster, remote_value))
         self._on_done(step, self.last_logs)
 
 
@@ -464,6 +499,7 @@ def fit(
     model.stop_training = False
     chunk = max(1, int(model.steps_per_execution))
     in_flight = _InFlight(
+        cluster,
         _IN_FLIGHT_PER_WORKER * num_workers(strategy),
         callback_list.on_train_batch_end,
     )
@@ -556,7 +592,9 @@ def evaluate(
         callback_list = _callback_list(model, callbacks, verbose, steps)
     test = _batch_function(model, strategy, model.test_step, "test")
     in_flight = _InFlight(
-        _IN_FLIGHT_PER_WORKER * num_workers(strategy), callback_list.on_test_batch_end
+        cluster,
+        _IN_FLIGHT_PER_WORKER * num_workers(strategy),
+        callback_list.on_test_batch_end,
     )
     model.reset_metrics()
     callback_list.on_test_begin()
@@ -595,7 +633,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=Non
             remotes.append(cluster.schedule(predict_batch, args=(batch,)))
         cluster.join()
         for step, remote in enumerate(remotes):
-            output = remote.fetch()
+            output = fetch(cluster, remote)
             outputs.append(output)
             callback_list.on_predict_batch_end(step, {"outputs": output})
     callback_list.on_predict_end()
