@@ -33,6 +33,14 @@ _CROSS_DEVICE_OPS_ATTRIBUTES = (
 )
 
 
+def _collective_all_reduces(extended, attributes=_CROSS_DEVICE_OPS_ATTRIBUTES):
+    """`(attribute, ops)` for each of `extended`'s `CollectiveAllReduce`s."""
+    for attribute in attributes:
+        ops = getattr(extended, attribute, None)
+        if isinstance(ops, _cross_device_ops.CollectiveAllReduce):
+            yield attribute, ops
+
+
 def collective_group_base(strategy) -> int | None:
     """The first group key `strategy`'s collectives use, or `None` (none)."""
     keys = getattr(strategy.extended, "_collective_keys", None)
@@ -60,10 +68,7 @@ def rekey_collectives(strategy, base: int) -> bool:
         return False
     new_keys = _cross_device_utils.CollectiveKeys(group_key_start=base + 1)
     replaced = {}
-    for attribute in _CROSS_DEVICE_OPS_ATTRIBUTES:
-        ops = getattr(extended, attribute, None)
-        if not isinstance(ops, _cross_device_ops.CollectiveAllReduce):
-            continue
+    for attribute, ops in _collective_all_reduces(extended):
         if ops._collective_keys is not old_keys:
             continue
         if id(ops) not in replaced:
@@ -125,12 +130,8 @@ def subdivide_all_reduces(strategy, max_subdivs: int) -> int:
     """
     changed = 0
     seen = set()
-    for attribute in _CROSS_DEVICE_OPS_ATTRIBUTES:
-        ops = getattr(strategy.extended, attribute, None)
-        if (
-            not isinstance(ops, _cross_device_ops.CollectiveAllReduce)
-            or id(ops) in seen
-        ):
+    for _, ops in _collective_all_reduces(strategy.extended):
+        if id(ops) in seen:
             continue
         seen.add(id(ops))
         for launcher in ops._launchers:
@@ -165,11 +166,9 @@ def is_multi_worker(strategy) -> bool:
 
 
 def _collective_all_reduce(strategy):
-    extended = strategy.extended
-    for attribute in ("_collective_ops", "_cross_device_ops"):
-        ops = getattr(extended, attribute, None)
-        if isinstance(ops, _cross_device_ops.CollectiveAllReduce):
-            return ops
+    attributes = ("_collective_ops", "_cross_device_ops")
+    for _, ops in _collective_all_reduces(strategy.extended, attributes):
+        return ops
     raise ValueError(
         f"{type(strategy).__name__} has no collective ops for an all-to-all "
         "(keras_dist's reduce-scatter). Use MirroredStrategy or "

@@ -104,7 +104,7 @@ def reduce_gradients(gradients, variables, hook, batch_size=None, view=None):
         return [], [], []
     # Buckets follow the order the backward pass computes the gradients in,
     # read from the graph before anything else touches them.
-    hook._set_ready_order(ready_order([g for g, _ in pairs]))
+    hook.set_ready_order(ready_order([g for g, _ in pairs]))
     grads = [as_gradient(g) for g, _ in pairs]
     trainable = [v for _, v in pairs]
     if batch_size is not None:

@@ -14,11 +14,13 @@ through a gloo process group instead, unless they are traced inside a
 (gathers, the batch-size and norm reductions, sharded optimizer state,
 sparse gradients) stays on TensorFlow's collectives.
 
-How: each bucket is flattened into one buffer and handed to a
-`tf.numpy_function` that copies it (TensorFlow may share the input's memory
-with other consumers) and starts a gloo all-reduce of the copy; a second
-one waits for it. A step starts all its buckets before it waits for any,
-so their all-reduces overlap each other and the backward pass, as DDP's do.
+How: a bucket's tensors are handed to a `tf.numpy_function` that copies
+them into one buffer of its own (TensorFlow shares the inputs' memory with
+their other consumers) and starts a gloo all-reduce of it; a second one
+waits for it and hands the buffer back to TensorFlow without a copy (it is
+aligned as TensorFlow needs for that). A step starts all its buckets
+before it waits for any, so their all-reduces overlap each other and the
+backward pass, as DDP's do.
 Every worker starts the same buckets in the same order (gloo matches
 collectives by order): the starts are stateful and chained by control
 dependencies, so they run in program order. The process group is made the
@@ -64,6 +66,10 @@ _KEY_PREFIX = "keras_dist/gloo/"
 # Starts the error a failed gloo all-reduce raises in its step (TensorFlow
 # reports it as an `UnknownError` of the `tf.numpy_function`).
 FAILURE = "keras_dist's gloo all-reduce failed"
+# TensorFlow takes an array returned by a `tf.numpy_function` without a copy
+# only when its memory is aligned to EIGEN_MAX_ALIGN_BYTES (64 with AVX-512;
+# `NdarrayToTensor`): for 100 MB, 0.2 ms against 17 ms here.
+_ALIGNMENT = 64
 
 _lock = threading.Lock()
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -272,15 +278,17 @@ class GlooGroup:
         that order, as gloo matches them) and run while the step goes on, as
         DDP's do.
         """
-        flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
         graph = tf.compat.v1.get_default_graph()
         previous = self._last.get(graph)
         with tf.control_dependencies([] if previous is None else [previous]):
             ticket = tf.numpy_function(
-                self._start, [flat], tf.int64, stateful=True, name="gloo_start"
+                self._start, tensors, tf.int64, stateful=True, name="gloo_start"
             )
         self._last[graph] = ticket
-        return _Pending(ticket, [t.shape for t in tensors], flat.dtype, flat.shape)
+        shapes = [t.shape for t in tensors]
+        size = sum(shape.num_elements() for shape in shapes)
+        return _Pending(ticket, shapes, tensors[0].dtype, tf.TensorShape([size]))
 
     def finish(self, pending: _Pending) -> list:
         """Waits for a bucket's sum; its tensors, in the order given to `start`.
@@ -306,9 +314,11 @@ class GlooGroup:
             for shape, part in zip(pending.shapes, tf.split(summed, sizes), strict=True)
         ]
 
-    def _start(self, array):
-        # TensorFlow may hand over a buffer other ops still read: sum a copy.
-        buffer = np.array(array, copy=True)
+    def _start(self, *arrays):
+        # TensorFlow hands over memory other ops may still read: the sum is
+        # made in a buffer of its own, which `_finish` hands back.
+        buffer = _aligned_empty(sum(a.size for a in arrays), arrays[0].dtype)
+        np.concatenate([a.reshape(-1) for a in arrays], out=buffer)
         torch = self._torch
         if buffer.dtype.name == "bfloat16":
             tensor = torch.from_numpy(buffer.view(np.int16)).view(torch.bfloat16)
@@ -352,6 +362,14 @@ class _Pending(NamedTuple):
     shapes: list
     dtype: tf.DType
     flat_shape: tf.TensorShape
+
+
+def _aligned_empty(size: int, dtype) -> np.ndarray:
+    """An uninitialized vector whose memory TensorFlow can take as it is."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(size * dtype.itemsize + _ALIGNMENT, np.uint8)
+    offset = -raw.ctypes.data % _ALIGNMENT
+    return raw[offset : offset + size * dtype.itemsize].view(dtype)
 
 
 def is_failure(error) -> bool:

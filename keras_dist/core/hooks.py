@@ -187,10 +187,19 @@ class AllReduceHook(tf.Module):
             order = None
         return plan_buckets(tensors, self._bucket_bytes, order=order)
 
-    def _set_ready_order(self, order) -> None:
-        # The same on every replica (read from each one's own trace of the
-        # same step), so the replica threads of a MirroredStrategy may set
-        # it in turn.
+    def set_ready_order(self, order) -> None:
+        """Sets the order `buckets` follows in the next `reduce` calls.
+
+        keras_dist's aggregation path calls it while it traces a step, with
+        `keras_dist.core.collectives.ready_order` of the gradients it is
+        about to give `reduce`. The order is the same on every replica
+        (read from each one's trace of the same step), so the replica
+        threads of a `MirroredStrategy` may set it in turn.
+
+        Args:
+            order: A list of positions into the gradients, or `None` for
+                the reverse of the model's variables.
+        """
         self._book.ready_order = None if order is None else tuple(order)
 
     @property
