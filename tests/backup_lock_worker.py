@@ -1,10 +1,12 @@
 """One training job for `tests/test_backup_lock.py`: a real, separate process.
 
     python tests/backup_lock_worker.py BACKUP_DIR [--batch-seconds S]
+        [--hold-until FILE]
 
 Trains a small Keras model (one device) for 2 epochs of 12 batches with
 `BackupAndRestore(BACKUP_DIR, save_freq=1)`, sleeping S seconds after each
-batch so that another job can start meanwhile. Prints `saved N` after each
+batch, and after the second until FILE exists, so that another job can start
+meanwhile. Prints `saved N` after each
 batch, `resumed` when it resumed from a backup, and exits 0 when training
 ended, 3 when the backup folder was refused (`BackupInUseError`).
 """
@@ -25,20 +27,32 @@ from keras_dist.callbacks import BackupAndRestore
 
 
 class Slow(keras.callbacks.Callback):
-    def __init__(self, seconds):
+    def __init__(self, seconds, hold_until=None):
         super().__init__()
-        self.seconds, self.batches = seconds, 0
+        self.seconds, self.hold_until, self.batches = seconds, hold_until, 0
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches += 1
         print(f"saved {self.batches}", flush=True)
         time.sleep(self.seconds)
+        deadline = time.monotonic() + 300
+        # From the second batch: the first one's backup is written in the
+        # background and committed at the next save.
+        while (
+            self.hold_until
+            and self.batches >= 2
+            and not os.path.exists(self.hold_until)
+        ):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.hold_until} did not appear in 300 s")
+            time.sleep(0.1)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("backup_dir")
     parser.add_argument("--batch-seconds", type=float, default=0.0)
+    parser.add_argument("--hold-until", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     rng = np.random.default_rng(0)
@@ -56,7 +70,7 @@ def main():
             epochs=2,
             shuffle=False,
             verbose=0,
-            callbacks=[backup, Slow(args.batch_seconds)],
+            callbacks=[backup, Slow(args.batch_seconds, args.hold_until)],
         )
     except BackupInUseError as error:
         print(f"refused: {error}", flush=True)

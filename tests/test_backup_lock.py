@@ -27,7 +27,7 @@ WORKER = os.path.join(REPO_ROOT, "tests", "backup_lock_worker.py")
 TIMEOUT = 300
 
 
-def start(backup_dir, batch_seconds=0.0):
+def start(backup_dir, batch_seconds=0.0, hold_until=None):
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
     for name in ("TF_CONFIG", lock.JOB_ID_ENV_VAR, "SLURM_JOB_ID"):
         env.pop(name, None)
@@ -38,6 +38,7 @@ def start(backup_dir, batch_seconds=0.0):
             str(backup_dir),
             "--batch-seconds",
             str(batch_seconds),
+            *(["--hold-until", str(hold_until)] if hold_until else []),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -65,12 +66,16 @@ def test_a_second_job_on_the_same_backup_dir_is_stopped_and_the_first_finishes(
     tmp_path,
 ):
     backup_dir = tmp_path / "shared"
-    first = start(backup_dir, batch_seconds=0.3)
+    # The first job waits after its first batch until the second is done (a
+    # fixed pace let it finish first when the second started slowly in CI).
+    second_done = tmp_path / "second_done"
+    first = start(backup_dir, hold_until=second_done)
     try:
         wait_for_a_backup(first, backup_dir)
         owner = lock.read_owner(str(backup_dir))
         assert owner.pid == first.pid
         status, output = finish(start(backup_dir))
+        second_done.touch()
         assert status == 3, output[-3000:]
         assert "`backup_dir` is in use by another job" in output
         assert f"belongs to process {first.pid} on " in output
