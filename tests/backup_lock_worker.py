@@ -36,8 +36,8 @@ class Slow(keras.callbacks.Callback):
         print(f"saved {self.batches}", flush=True)
         time.sleep(self.seconds)
         deadline = time.monotonic() + 300
-        # From the second batch: the first one's backup is written in the
-        # background and committed at the next save.
+        # From the second batch: a batch's backup is written when the next
+        # batch begins (after every callback has seen the batch).
         while (
             self.hold_until
             and self.batches >= 2
