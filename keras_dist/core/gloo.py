@@ -3,7 +3,7 @@
 TensorFlow's CPU all-reduce between worker processes is a ring over gRPC:
 each piece of a tensor is a gRPC message, serialized, sent and parsed before
 its reduction starts. Between 2 processes on one machine, 100 MB of float32
-take 0.21-0.24 s that way (subdivided, `collectives.RING_SUBDIVS`) and 0.08-
+take 0.21-0.24 s that way (subdivided, `collectives.RING_SUBDIVS`) and 0.07-
 0.09 s with gloo over plain TCP, the backend PyTorch's DDP uses on CPUs
 (docs/benchmarks/ddp.md). With `KERAS_DIST_COLLECTIVES=gloo` in every
 worker's environment, the sums of `collectives.all_reduce_sum` and
