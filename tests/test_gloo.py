@@ -136,6 +136,53 @@ def test_local_strategies_keep_tensorflow_collectives(monkeypatch, mirrored):
     )
 
 
+def test_a_sum_buffer_is_reused_only_when_no_one_else_holds_it():
+    """`_Buffers`: a buffer someone may still read (TensorFlow, while a
+    tensor aliases it) is not handed out again; a free one is."""
+    buffers = gloo._Buffers()
+
+    def take():
+        buffer = buffers.take(1000, np.float32)
+        return buffer.ctypes.data, buffer
+
+    address = take()[0]
+    assert address % gloo._ALIGNMENT == 0
+    assert take()[0] == address  # no one held it
+    handed = [take()[1]]
+    handed[0][:] = 7.0
+
+    @tf.function
+    def step():
+        summed = tf.numpy_function(lambda: handed[0], [], tf.float32, stateful=True)
+        return summed * 2.0, summed + 0.0
+
+    doubled, same = step()
+    other, buffer = take()  # still in `handed`: another buffer
+    assert other != address
+    buffer[:] = 1.0
+    handed.clear()
+    # Whether TensorFlow's tensors alias it or not, a buffer taken and written
+    # while they live leaves them as they are.
+    for _ in range(20):
+        _, buffer = take()
+        buffer[:] = 1.0
+        tf.constant(0.0).numpy()
+    np.testing.assert_array_equal(doubled.numpy(), np.full(1000, 14.0, np.float32))
+    np.testing.assert_array_equal(same.numpy(), np.full(1000, 7.0, np.float32))
+    del doubled, same, buffer
+    for _ in range(100):  # TensorFlow drops its Python references lazily
+        if take()[0] == address:
+            break
+        tf.constant(0.0).numpy()
+    else:
+        raise AssertionError("a buffer no one holds was not reused")
+    # Up to `_POOLED_PER_SIZE` buffers are kept per size and dtype.
+    held = [take()[1] for _ in range(gloo._POOLED_PER_SIZE + 2)]
+    assert len({buffer.ctypes.data for buffer in held}) == len(held)
+    assert len(buffers._pools[(1000, np.dtype(np.float32))]) == gloo._POOLED_PER_SIZE
+    assert buffers.take(1000, np.float64).dtype == np.float64
+
+
 @pytest.mark.multiworker
 @pytest.mark.parametrize("how", ["kill", "hang"])
 def test_a_lost_peer_fails_the_gloo_sum(how):
