@@ -267,22 +267,29 @@ def auto_strategy(
             INFO), so one script can pass both options. Defaults to `None`.
         communication_options: `tf.distribute.experimental.CommunicationOptions`
             or `None`. The collective implementation (`RING` or `NCCL`),
-            `bytes_per_pack` and `timeout_seconds` of a
+            `bytes_per_pack` and `timeout_seconds` (as `collective_timeout`) of a
             `MultiWorkerMirroredStrategy`; single-process strategies do not
             use it (logged at INFO). `None` keeps TensorFlow's defaults
             (`AUTO`). Defaults to `None`.
-        collective_timeout: Float or `None`. Seconds a collective of a
-            `MultiWorkerMirroredStrategy` may wait for the other workers
-            before it fails (`CommunicationOptions.timeout_seconds`): a
-            worker whose peer hangs, or died without its connections being
-            closed, then fails instead of waiting forever. `None` reads the
-            `KERAS_DIST_COLLECTIVE_TIMEOUT` environment variable (`keras-dist
-            launch` sets it, 300 s unless told otherwise), and without it
-            keeps TensorFlow's default: no limit. A peer whose process died
-            is noticed sooner, by TensorFlow's coordination service (its
-            heartbeats, about 10 s). Make it longer than the longest time one
-            worker may spend outside collectives while the others wait (a
-            validation pass, a backup, the first trace). Defaults to `None`.
+        collective_timeout: Float or `None`. Seconds one call into
+            TensorFlow (a training step, an evaluation batch, a backup's
+            gather) of a `MultiWorkerMirroredStrategy` worker may wait for
+            the other workers: a worker whose peer is alive but no longer
+            takes part (stuck in Python, deadlocked) then fails instead of
+            waiting forever. One watchdog thread per process enforces it
+            (`keras_dist.core.watchdog`); TensorFlow's own per-collective
+            timeout (`CommunicationOptions.timeout_seconds`, also accepted
+            and moved to the watchdog) costs a thread per collective and
+            ends a fast loop with "Resource temporarily unavailable" within
+            minutes. `None` reads the `KERAS_DIST_COLLECTIVE_TIMEOUT`
+            environment variable (`keras-dist launch` sets it, 300 s unless
+            told otherwise), and without it waits without limit. A peer
+            whose process died or is stopped is noticed sooner, by
+            TensorFlow's coordination service (its heartbeats, about 10 s).
+            Make it longer than the longest step, and than the longest time
+            one worker may spend outside collectives while the others wait
+            (a validation pass, a backup, the first trace). Defaults to
+            `None`.
 
         variable_partitioner: A `tf.distribute.experimental.partitioners`
             partitioner or `None`. How a `ParameterServerStrategy` splits

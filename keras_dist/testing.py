@@ -1,9 +1,15 @@
-"""Run a function as real `MultiWorkerMirroredStrategy` worker processes.
+"""Run a function as real `MultiWorkerMirroredStrategy` worker processes, and
+watch a long run's threads, files and memory.
 
 Testing multi-worker code needs several processes that find each other through
 `TF_CONFIG`. `run_workers` starts them on free localhost ports, collects each
 worker's return value, and fails with the worker's own traceback when one
 fails, so a bug inside a collective is reported instead of hanging.
+
+A leak shows only in long runs: `resource_usage` reads a process's thread
+count, open file descriptors and resident memory, and `ResourceSampler`
+records them every few seconds from a thread of its own, for a soak test
+that asserts they stay flat.
 
 Example:
 
@@ -22,13 +28,16 @@ def test_two_workers():
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
+import json
 import os
 import pickle
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -152,6 +161,120 @@ def run_workers(
         for log in logs:
             log.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourceUsage:
+    """What one process holds at one moment.
+
+    Attributes:
+        threads: Int. Its threads (Python's and native ones).
+        open_files: Int. Its open file descriptors (files, sockets, pipes).
+        rss_bytes: Int. Its resident memory, in bytes.
+    """
+
+    threads: int
+    open_files: int
+    rss_bytes: int
+
+
+def resource_usage(pid: int | None = None) -> ResourceUsage:
+    """Returns the threads, open file descriptors and resident memory of a process.
+
+    Read from `/proc`, so Linux only.
+
+    Args:
+        pid: Int or `None`. The process; `None` is this one. Defaults to
+            `None`.
+
+    Returns:
+        A `ResourceUsage`.
+
+    Raises:
+        OSError: the process does not exist, or this system has no `/proc`.
+    """
+    root = f"/proc/{'self' if pid is None else int(pid)}"
+    fields = {}
+    with open(f"{root}/status") as handle:
+        for line in handle:
+            name, _, value = line.partition(":")
+            fields[name] = value.split()
+    return ResourceUsage(
+        threads=int(fields["Threads"][0]),
+        open_files=len(os.listdir(f"{root}/fd")),
+        rss_bytes=int(fields["VmRSS"][0]) * 1024,
+    )
+
+
+class ResourceSampler:
+    """Appends this process's `resource_usage` to a JSON-lines file, periodically.
+
+    For soak tests: start it before training, and each line of `path` is one
+    sample, `{"time": seconds since start, "threads": ..., "open_files":
+    ..., "rss_bytes": ..., **labels}`. `labels` (a dict the caller may
+    change while it runs, e.g. the current phase and step) are copied into
+    every sample. The sampler's own thread and file are open the whole time,
+    so they add a constant, not a trend.
+
+    Args:
+        path: String. The file to append to.
+        interval: Float. Seconds between samples. Defaults to `1.0`.
+
+    Example:
+
+    ```python
+    sampler = keras_dist.testing.ResourceSampler("usage.jsonl")
+    sampler.start()
+    model.fit(...)
+    sampler.stop()
+    ```
+    """
+
+    def __init__(self, path: str, interval: float = 1.0):
+        self.path = str(path)
+        self.interval = check_real(
+            "interval", interval, minimum=0, low_open=True, hint="In seconds."
+        )
+        self.labels: dict = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self) -> ResourceSampler:
+        """Starts sampling (one sample at once); returns the sampler."""
+        if self._thread is not None:
+            raise RuntimeError("This ResourceSampler is already started.")
+        self._started = time.monotonic()
+        self._file = open(self.path, "a")  # noqa: SIM115
+        self.sample()
+        self._thread = threading.Thread(
+            target=self._run, name="keras_dist-resource-sampler", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def sample(self) -> None:
+        """Writes one sample now."""
+        usage = dataclasses.asdict(resource_usage())
+        line = {"time": round(time.monotonic() - self._started, 3), **usage}
+        line.update(self.labels)
+        with self._lock:
+            self._file.write(json.dumps(line) + "\n")
+            self._file.flush()
+
+    def stop(self) -> None:
+        """Writes a last sample and stops."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self.sample()
+        self._file.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
 
 
 def _wait_all(procs, timeout):

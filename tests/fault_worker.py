@@ -11,8 +11,9 @@ same processes (the uninterrupted references).
 
 `--hurt ATTEMPT:WHAT:N` (repeatable) hurts a task on that attempt
 (`KERAS_DIST_RESTART`) after its N-th batch: `kill` SIGKILLs worker 1,
-`term` sends SIGTERM to worker 1, `hang` makes worker 1 sleep (alive, but
-gone from the collectives), `save` SIGKILLs the chief inside its N-th backup
+`term` sends SIGTERM to worker 1, `stop` sends it SIGSTOP (frozen, its
+heartbeats too), `hang` makes worker 1 sleep (alive, but gone from the
+collectives), `save` SIGKILLs the chief inside its N-th backup
 (after the state file is written, before the switch to it; with
 `--async-write` on the callback's writer thread).
 """
@@ -63,6 +64,8 @@ class Hurt(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.what == "term":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif self.what == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         else:
             time.sleep(600)
 
@@ -128,7 +131,7 @@ def train(strategy, config, out, backup, hurts, async_write=False):
             )
         )
     for _, what, n in hurts:
-        if what in ("kill", "term", "hang") and task == "worker:1":
+        if what in ("kill", "term", "stop", "hang") and task == "worker:1":
             callbacks.append(Hurt(int(n), what))
         if what == "save" and task == "worker:0":
             die_inside_backup(int(n))

@@ -313,12 +313,12 @@ def test_collective_keys_live_where_we_replace_them():
 
 
 def test_all_reduces_take_subdivisions_through_the_launchers():
-    # `keras_dist/_compat/tf_internal.py::subdivide_all_reduces`: the launcher
-    # class whose `all_reduce` we re-state, and the op attribute it sets.
+    # `keras_dist/_compat/tf_internal.py::own_launchers`: the launcher class
+    # whose `all_reduce` we re-state, and the op attribute it sets.
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    assert tf_internal.subdivide_all_reduces(strategy, 8) == 2
+    assert tf_internal.own_launchers(strategy, 8) == 2
     launcher = strategy.extended._collective_ops._launchers[0]
-    assert isinstance(launcher, tf_internal._SubdividingLauncher)
+    assert isinstance(launcher, tf_internal._OwnedLauncher)
     source = tf.ones([1000])
 
     @tf.function
@@ -337,6 +337,50 @@ def test_all_reduces_take_subdivisions_through_the_launchers():
     values = strategy.experimental_local_results(step())
     for value in values:
         np.testing.assert_array_equal(value.numpy(), 3 * np.ones(1000))
+
+
+def test_stable_instance_keys_stop_drawing_keys_after_the_first_call():
+    # `tf_internal.stable_instance_keys`: TensorFlow draws a new instance
+    # key per collective per call (`CollectiveKeys._instance_key_table`, a
+    # counter per group and device, read through the launcher's
+    # `_next_instance_key` in a call-time capture); a static-shape
+    # all-reduce traced inside the context draws one at its first call and
+    # keeps it. An all-reduce whose shape is known only at run time keeps
+    # TensorFlow's keys.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    tf_internal.own_launchers(strategy, 8)
+    launcher = strategy.extended._collective_ops._launchers[0]
+    keys = strategy.extended._collective_keys
+
+    def drawn():
+        return keys._instance_key_table[launcher._group_key][launcher._device]
+
+    def make_step(stable, dynamic=False):
+        spec = [tf.TensorSpec([None] if dynamic else [3], tf.float32)]
+
+        @tf.function(input_signature=spec)
+        def step(x):
+            def replica():
+                context = tf.distribute.get_replica_context()
+                mine = x * tf.cast(context.replica_id_in_sync_group + 1, tf.float32)
+                return context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+            if stable:
+                with tf_internal.stable_instance_keys():
+                    return strategy.run(replica)
+            return strategy.run(replica)
+
+        return step
+
+    cases = [(True, False, 0), (False, False, 1), (True, True, 1)]
+    for stable, dynamic, per_call in cases:
+        step = make_step(stable, dynamic)
+        step(tf.ones(3))
+        before = drawn()
+        for _ in range(3):
+            values = strategy.experimental_local_results(step(tf.ones(3)))
+            np.testing.assert_array_equal(values[0].numpy(), [3.0, 3.0, 3.0])
+        assert drawn() - before == 3 * per_call, (stable, dynamic)
 
 
 def test_tf_keras_registered_names_are_where_we_extend_them():

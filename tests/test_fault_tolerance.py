@@ -232,11 +232,29 @@ def test_hung_peer_fails_the_survivor_within_the_collective_timeout(tmp_path):
     )
     assert status != 0
     assert "Training stopped on worker:0: a collective timed out" in output
-    assert "Collective has timed out" in output
+    # keras_dist's watchdog, not TensorFlow's per-collective timeout.
+    assert "waited 15 s in one call into TensorFlow" in output
     assert "task worker:0 failed with exit code 1" in output
     # Start-up (~20-40 s here) + 3 batches + the timeout, with a generous
     # margin for a loaded 2-core machine; without the timeout: 600 s.
     assert seconds < timeout + 150, seconds
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_stopped_peer_fails_the_survivor_long_before_the_timeout(tmp_path):
+    # Worker 1 is SIGSTOPped after 3 batches: frozen, its heartbeats too.
+    # TensorFlow's coordination service misses them and aborts the
+    # survivor's collectives in about 10 s (measured 7-8 s), whatever the
+    # collective timeout (300 s, the launcher's default, here); the
+    # launcher then stops the job, the frozen task with SIGKILL.
+    status, output, seconds = launch(tmp_path, "--hurt", "0:stop:3")
+    assert status != 0
+    assert "Training stopped on worker:0" in output
+    assert "stopped sending heartbeats" in output
+    # Start-up (~20-40 s) + 3 batches + ~10 s, with a margin for a loaded
+    # machine; far below the 300 s timeout.
+    assert seconds < 200, seconds
 
 
 @pytest.mark.multiworker

@@ -116,7 +116,7 @@ def test_communication_options_in_two_real_workers():
     results = run_workers(
         workers.strategy_with_communication_options, num_workers=2, timeout=240
     )
-    assert results == [(True, 2.0, "RING", 120)] * 2
+    assert results == [(True, 2.0, "RING", None, 120.0, 120)] * 2
 
 
 def test_cross_device_ops_reach_the_gpu_mirror(monkeypatch, clean_env):

@@ -210,6 +210,7 @@ def strategy_with_communication_options():
     import tensorflow as tf
 
     import keras_dist
+    from keras_dist.core import watchdog
 
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.RING,
@@ -218,9 +219,13 @@ def strategy_with_communication_options():
     strategy = keras_dist.auto_strategy(communication_options=options)
     total = strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
     used = strategy.extended._communication_options
+    # The timeout moved to the watchdog (no thread per collective); the
+    # user's options object is left as it was.
     return (
         isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy),
         float(total),
         used.implementation.name,
         used.timeout_seconds,
+        watchdog.timeout_of(strategy),
+        options.timeout_seconds,
     )

@@ -6,6 +6,9 @@ Keras 3 touches are in `keras_src.py`. `tests/test_compat.py` pins each.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
 from tensorflow.python.distribute import cross_device_utils as _cross_device_utils
@@ -84,7 +87,7 @@ def rekey_collectives(strategy, base: int) -> bool:
     return True
 
 
-# --- Subdivided ring all-reduce ----------------------------------------------
+# --- The launchers of an owned strategy ---------------------------------------
 #
 # `CollectiveReplicaLauncher.all_reduce` issues `all_reduce_v2` without
 # `max_subdivs_per_device`, whose default (-1) sends each tensor round the ring
@@ -92,20 +95,102 @@ def rekey_collectives(strategy, base: int) -> bool:
 # the reduction of a piece waits for all of it. With subdivisions the ring
 # splits a tensor into pieces the runtime pipelines (TensorFlow sizes them, a
 # few MiB each). `CommunicationOptions` has no such field, so the strategy's
-# launchers are given this subclass. Measured between 2 worker processes on
-# one machine (unshaped loopback), 100 MB of float32: 0.38-0.40 s as the
-# strategy issues it, 0.21-0.24 s with 8-64 subdivisions (docs/benchmarks/ddp.md).
+# launchers are given a subclass. Measured between 2 worker processes on one
+# machine (unshaped loopback), 100 MB of float32: 0.38-0.40 s as the strategy
+# issues it, 0.21-0.24 s with 8-64 subdivisions (docs/benchmarks/ddp.md).
+#
+# Instance keys. In a function, TensorFlow 2 gives every collective a new
+# instance key on every call (`_next_instance_key`, a call-time capture, so
+# that workers that trace at different times still agree), and the runtime
+# keeps a record of every instance key it has seen for the life of the
+# process (`CollectiveParamResolverLocal`'s instance table): about 1.5 KiB
+# per collective call between worker processes, 6 MB per 1,000 steps of four
+# all-reduces, without end (tensorflow/tensorflow#42616). While keras_dist
+# traces its own step functions (`stable_instance_keys`), whose one argument
+# is the iterator, so every worker traces them alike, an all-reduce of a
+# static shape takes its key at the first call of its function, from the
+# same counter, and keeps it: the records stop growing. Anything else (a
+# shape known only at run time, a user's own function) keeps TensorFlow's
+# keys.
+
+_stable_keys = threading.local()
 
 
-class _SubdividingLauncher(_cross_device_utils.CollectiveReplicaLauncher):
-    """TensorFlow's launcher, with `max_subdivs_per_device` on its all-reduces."""
+@contextlib.contextmanager
+def stable_instance_keys():
+    """All-reduces traced inside reuse one instance key per call site.
 
-    max_subdivs = 0  # Set on each instance by `subdivide_all_reduces`.
+    For functions every worker traces the same way, in the same order (not
+    for one whose tracing follows the shape of its input, which can differ
+    between workers at a short last batch).
+    """
+    previous = getattr(_stable_keys, "on", False)
+    _stable_keys.on = True
+    try:
+        yield
+    finally:
+        _stable_keys.on = previous
+
+
+class _FirstCallKey:
+    """An instance key taken from the launcher's counter at the first call."""
+
+    def __init__(self, launcher):
+        self._launcher = launcher
+        self._key = None
+
+    def __call__(self):
+        if self._key is None:
+            launcher = self._launcher
+            self._key = launcher._collective_keys.get_instance_key(
+                launcher._group_key, launcher._device
+            )
+        with tf.device("CPU:0"):
+            return tf.constant(self._key, dtype=tf.int32)
+
+
+def _function_graph():
+    """The function graph a call-time capture goes into, or `None` (eager)."""
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, "is_control_flow_graph", False):
+        graph = graph.outer_graph
+    return graph if getattr(graph, "building_function", False) else None
+
+
+def _keeps_key(tensor) -> bool:
+    """Whether a collective of `tensor` traced now keeps its instance key."""
+    return (
+        getattr(_stable_keys, "on", False)
+        and tensor.shape.is_fully_defined()
+        and _function_graph() is not None
+    )
+
+
+def _instance_key(launcher, tensor):
+    """`tensor`'s collective instance key: kept (see above) or TensorFlow's."""
+    from tensorflow.python.framework import tensor_spec
+
+    if not _keeps_key(tensor):
+        return launcher._next_instance_key()
+    graph = _function_graph()
+    with graph.as_default():
+        return graph.capture_call_time_value(
+            _FirstCallKey(launcher), tensor_spec.TensorSpec([], tf.int32)
+        )
+
+
+class _OwnedLauncher(_cross_device_utils.CollectiveReplicaLauncher):
+    """TensorFlow's launcher, with subdivided all-reduces and kept keys."""
+
+    max_subdivs = -1  # Set on each instance by `own_launchers`.
 
     def all_reduce(self, input_tensor, control_input=None, options=None):
         # `CollectiveReplicaLauncher.all_reduce` of TensorFlow 2.21, plus the
-        # subdivisions.
-        instance_key = self._next_instance_key()
+        # subdivisions and the instance key.
+        input_tensor = tf.convert_to_tensor(input_tensor)
+        instance_key = _instance_key(self, input_tensor)
         options = self._options.merge(options)
         ordering_token = self._get_ordering_token()
         with tf.device(self._device), self._control_input(control_input):
@@ -120,13 +205,49 @@ class _SubdividingLauncher(_cross_device_utils.CollectiveReplicaLauncher):
                 max_subdivs_per_device=self.max_subdivs,
             )
 
+    def _all_gather(self, input_tensor, options):
+        # `CollectiveReplicaLauncher._all_gather` of TensorFlow 2.21, plus
+        # the instance key.
+        input_tensor = tf.convert_to_tensor(input_tensor)
+        instance_key = _instance_key(self, input_tensor)
+        options = self._options.merge(options)
+        ordering_token = self._get_ordering_token()
+        with tf.device(self._device):
+            return _collective_ops.all_gather_v2(
+                input_tensor,
+                self._group_size,
+                self._group_key,
+                instance_key,
+                communication_hint=options.implementation.value,
+                timeout=options.timeout_seconds,
+                ordering_token=ordering_token,
+            )
 
-def subdivide_all_reduces(strategy, max_subdivs: int) -> int:
-    """Lets `strategy`'s CPU all-reduces split tensors into up to `max_subdivs`
-    pipelined pieces; returns how many launchers it changed.
+    def all_gather(self, input_tensor, axis, options=None):
+        # TensorFlow's gathers the shapes first and pads every member to the
+        # longest, with a key per call for the padded gather (its shape is
+        # known only at run time). A static shape in a function every worker
+        # traces alike is every member's shape: one gather, with a kept key.
+        input_tensor = tf.convert_to_tensor(input_tensor)
+        static_axis = tf.get_static_value(axis)
+        if static_axis is None or not _keeps_key(input_tensor):
+            return super().all_gather(input_tensor, axis, options)
+        rank = input_tensor.shape.rank
+        axis = int(static_axis) % rank
+        to_front = [axis, *range(axis), *range(axis + 1, rank)]
+        back = [*range(1, axis + 1), 0, *range(axis + 1, rank)]
+        with tf.device(self._device):
+            gathered = self._all_gather(tf.transpose(input_tensor, to_front), options)
+            return tf.transpose(gathered, back)
 
-    Only the launchers of CPU devices: NCCL ignores the subdivisions. Call it
-    after `rekey_collectives` (which makes new launchers).
+
+def own_launchers(strategy, max_subdivs: int) -> int:
+    """Gives `strategy`'s launchers keras_dist's all-reduce; returns how many.
+
+    CPU launchers split a tensor into up to `max_subdivs` pipelined pieces
+    (NCCL ignores the subdivisions); every launcher keeps its instance keys
+    under `stable_instance_keys`. Call it after `rekey_collectives` (which
+    makes new launchers).
     """
     changed = 0
     seen = set()
@@ -135,14 +256,14 @@ def subdivide_all_reduces(strategy, max_subdivs: int) -> int:
             continue
         seen.add(id(ops))
         for launcher in ops._launchers:
-            device = tf.DeviceSpec.from_string(launcher._device)
-            if (device.device_type or "CPU").upper() != "CPU":
-                continue
             if type(launcher) is _cross_device_utils.CollectiveReplicaLauncher:
-                launcher.__class__ = _SubdividingLauncher
-            if isinstance(launcher, _SubdividingLauncher):
-                launcher.max_subdivs = int(max_subdivs)
-                changed += 1
+                launcher.__class__ = _OwnedLauncher
+            if not isinstance(launcher, _OwnedLauncher):
+                continue
+            device = tf.DeviceSpec.from_string(launcher._device)
+            cpu = (device.device_type or "CPU").upper() == "CPU"
+            launcher.max_subdivs = int(max_subdivs) if cpu else -1
+            changed += 1
     return changed
 
 
@@ -186,6 +307,7 @@ def all_to_all(strategy, tensor):
     Returns:
         The rows every replica sent to this one, in replica order.
     """
+    tensor = tf.convert_to_tensor(tensor)
     device = _device_util.canonicalize(_device_util.current())
     for launcher in _collective_all_reduce(strategy)._launchers:
         if launcher._device == device:
@@ -201,7 +323,7 @@ def all_to_all(strategy, tensor):
             tensor,
             launcher._group_size,
             launcher._group_key,
-            launcher._next_instance_key(),
+            _instance_key(launcher, tensor),
             communication_hint=options.implementation.value,
             timeout=options.timeout_seconds or 0,
             ordering_token=launcher._get_ordering_token(),
@@ -312,10 +434,85 @@ def worker_rank(strategy) -> int:
     return int(strategy.extended._id_in_cluster)
 
 
-def collective_timeout(strategy) -> float | None:
-    """Seconds `strategy`'s collectives wait for a peer, or `None` (forever)."""
-    options = getattr(strategy.extended, "_communication_options", None)
-    return getattr(options, "timeout_seconds", None)
+# --- Collective timeouts ------------------------------------------------------
+#
+# A collective issued with `timeout_seconds` costs a thread that sleeps out
+# the whole timeout (`BaseCollectiveExecutor::ExecuteAsync` in
+# tensorflow/core/common_runtime/base_collective_executor.cc schedules its
+# check with `SchedNonBlockingClosureAfter`, a new thread on POSIX), so a
+# fast loop runs out of threads. keras_dist takes the timeout out of a
+# strategy's options (`extended._communication_options`, shared by its
+# `CollectiveAllReduce` objects and their launchers) and bounds the wait with
+# one watchdog thread (`keras_dist/core/watchdog.py`), which recognises a
+# thread waiting in the executor by its Python frame and aborts the
+# collectives as TensorFlow's peer health check does
+# (`context.abort_collective_ops`, collective_all_reduce_strategy.py).
+
+
+def take_collective_timeout(strategy) -> float | None:
+    """Removes the timeout from `strategy`'s collectives; returns it, or `None`.
+
+    The options object is replaced, not changed: a user's
+    `CommunicationOptions` may serve another strategy too. Functions traced
+    before keep the timeout they captured.
+    """
+    from tensorflow.python.distribute import collective_util
+
+    extended = strategy.extended
+    options = getattr(extended, "_communication_options", None)
+    timeout = getattr(options, "timeout_seconds", None)
+    if not timeout:
+        return None
+    untimed = collective_util.Options(
+        bytes_per_pack=options.bytes_per_pack,
+        timeout_seconds=None,
+        implementation=options.implementation,
+    )
+    extended._communication_options = untimed
+    for _, ops in _collective_all_reduces(extended):
+        if ops._options is options:
+            ops._options = untimed
+        for launcher in ops._launchers:
+            if launcher._options is options:
+                launcher._options = untimed
+    return float(timeout)
+
+
+def _executor_codes() -> frozenset:
+    import inspect
+
+    from tensorflow.python.eager import execute
+    from tensorflow.python.ops import gen_collective_ops
+
+    # A function call or an op through the slow path waits in
+    # `quick_execute`; an eager collective on the fast path in its generated
+    # wrapper.
+    codes = {execute.quick_execute.__code__}
+    codes.update(
+        value.__code__
+        for value in vars(gen_collective_ops).values()
+        if inspect.isfunction(value)
+    )
+    return frozenset(codes)
+
+
+_EXECUTOR_CODES = None
+
+
+def executing_in_tensorflow(frame) -> bool:
+    """Whether `frame` (a thread's innermost) waits in TensorFlow's executor."""
+    global _EXECUTOR_CODES
+    if _EXECUTOR_CODES is None:
+        _EXECUTOR_CODES = _executor_codes()
+    return frame.f_code in _EXECUTOR_CODES
+
+
+def abort_collectives(message: str) -> None:
+    """Fails every pending and later collective of this process with
+    `DeadlineExceededError: Collective ops is aborted by: {message}`."""
+    from tensorflow.python.eager import context
+
+    context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, message)
 
 
 # --- Control flow graphs -------------------------------------------------------

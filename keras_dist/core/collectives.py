@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from keras_dist._compat import tf_internal
 from keras_dist._validation import check_int
-from keras_dist.core import gloo
+from keras_dist.core import gloo, watchdog
 
 # --- Keys ------------------------------------------------------------------
 
@@ -55,10 +55,13 @@ _counts = {"local": 0, "multi_worker": 0}
 def own(strategy=None) -> None:
     """Gives `strategy` collective keys no other strategy of the process uses.
 
-    Idempotent and cheap after the first call for a strategy. Called by
-    every collective of this module, and by `DistributedModel` and
-    `auto_strategy` before anything is traced, so a strategy is re-keyed
-    before its first collective where keras_dist can arrange it.
+    A multi-worker strategy's collective timeout moves to the process's
+    watchdog (`keras_dist.core.watchdog`), and the gloo backend connects
+    when it is requested. Idempotent and cheap after the first call for a
+    strategy. Called by every collective of this module, and by
+    `DistributedModel` and `auto_strategy` before anything is traced, so a
+    strategy is re-keyed before its first collective where keras_dist can
+    arrange it.
 
     Args:
         strategy: A `tf.distribute.Strategy`, or `None` for the current one.
@@ -68,6 +71,9 @@ def own(strategy=None) -> None:
     if extended in _owned:
         return
     if tf_internal.is_multi_worker(strategy):
+        # A timeout on the collectives costs a thread per collective; one
+        # watchdog thread bounds the waits instead (`core/watchdog.py`).
+        watchdog.watch(strategy, tf_internal.take_collective_timeout(strategy))
         # Before the keys: a backend that cannot serve the strategy fails
         # here, and the strategy stays unowned until it is fixed.
         gloo.enable_if_requested(strategy)
@@ -97,7 +103,7 @@ def own(strategy=None) -> None:
 
 
 # Pieces a CPU worker's ring all-reduce may split a tensor into (TensorFlow's
-# strategies send each tensor whole): see `tf_internal.subdivide_all_reduces`.
+# strategies send each tensor whole): see `tf_internal.own_launchers`.
 # Between 2 worker processes 100 MB took 0.38-0.40 s whole, 0.23 s with 8
 # pieces and 0.21 s with 16 to 64 (docs/benchmarks/ddp.md). Environment
 # variable `KERAS_DIST_RING_SUBDIVS`: another maximum, or -1 for TensorFlow's
@@ -122,7 +128,22 @@ def _subdivide(strategy) -> None:
                 f"(TensorFlow's behaviour, one piece). Received: {value!r}. "
                 f"Unset it for keras_dist's default, {RING_SUBDIVS}."
             )
-    tf_internal.subdivide_all_reduces(strategy, subdivs)
+    tf_internal.own_launchers(strategy, subdivs)
+
+
+def stable_instance_keys():
+    """A context: the all-reduces traced inside keep their instance keys.
+
+    TensorFlow gives a collective in a function a new instance key on every
+    call, and its runtime remembers every key it has seen: between worker
+    processes about 1.5 KiB a collective, without end
+    (tensorflow/tensorflow#42616). Inside this context an all-reduce of a
+    static shape takes its key at its function's first call and keeps it
+    (`tf_internal.stable_instance_keys`). Only for functions every worker
+    traces alike, in the same order: a step function over an iterator, not
+    one traced by the shapes of the batches handed to it.
+    """
+    return tf_internal.stable_instance_keys()
 
 
 def group_base(strategy) -> int | None:
@@ -410,40 +431,68 @@ def reduce_across(strategy, value, op="sum"):
     """`strategy.reduce(op, value, axis=None)` with the keys owned.
 
     Cross-replica context; on several workers a collective every worker
-    must call at the same point.
+    must call at the same point. Called eagerly, it runs in one
+    `tf.function` per strategy and op (`_eagerly`).
     """
     own(strategy)
     reduce_op = {
         "sum": tf.distribute.ReduceOp.SUM,
         "mean": tf.distribute.ReduceOp.MEAN,
     }[op]
-    return strategy.reduce(reduce_op, value, axis=None)
+    if not tf.executing_eagerly():
+        return strategy.reduce(reduce_op, value, axis=None)
+    return _eagerly(
+        strategy,
+        ("reduce", op),
+        lambda owner, value: owner.reduce(reduce_op, value, axis=None),
+    )(value)
 
 
 def gather_across(strategy, value, axis=0):
     """`strategy.gather(value, axis)` with the keys owned (cross-replica).
 
     Called eagerly (a backup's gather), it runs in one `tf.function` per
-    strategy: `MultiWorkerMirroredStrategy` makes a new one inside every
-    eager gather, and TensorFlow warns of "excessive retracing" from the
-    fifth backup on.
+    strategy and axis (`_eagerly`).
     """
     own(strategy)
     if not tf.executing_eagerly():
         return strategy.gather(value, axis=axis)
-    gather = _EAGER_GATHERS.get(strategy)
-    if gather is None:
+    return _eagerly(
+        strategy,
+        ("gather", axis),
+        lambda owner, value: owner.gather(value, axis=axis),
+    )(value)
+
+
+def _eagerly(strategy, name, collective):
+    """`collective(strategy, value)` as a `tf.function`, one per name.
+
+    A collective run eagerly gets a new instance key each time, and the
+    runtime keeps every key it has seen (`stable_instance_keys`); under
+    `MultiWorkerMirroredStrategy` an eager gather also traces a new function
+    each time (TensorFlow warns of "excessive retracing" from the fifth
+    backup on). In a function traced under `stable_instance_keys` the keys
+    are kept: every worker makes these calls at the same points, with
+    values of the same shapes.
+    """
+    functions = _EAGER_FUNCTIONS.setdefault(strategy, {})
+    function = functions.get(name)
+    if function is None:
         # A weak reference: the function must not keep its key alive.
         owner = weakref.ref(strategy)
-        gather = tf.function(
-            lambda value, axis: owner().gather(value, axis=axis),
-            reduce_retracing=True,
-        )
-        _EAGER_GATHERS[strategy] = gather
-    return gather(value, axis)
+
+        def run(value):
+            with stable_instance_keys():
+                return collective(owner(), value)
+
+        # One trace per shape (no `reduce_retracing`): a relaxed shape
+        # would take a new key on every call again.
+        function = tf.function(run)
+        functions[name] = function
+    return function
 
 
-_EAGER_GATHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_EAGER_FUNCTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # --- Buckets ---------------------------------------------------------------

@@ -52,6 +52,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist._compat import tf_internal
+from keras_dist.core import watchdog
 from keras_dist.core.topology import local_replicas
 
 ENV_VAR = "KERAS_DIST_COLLECTIVES"
@@ -234,7 +235,7 @@ class GlooGroup:
         _, dist = _import_torch()
         rank = tf_internal.worker_rank(strategy)
         size = strategy.num_replicas_in_sync
-        timeout = tf_internal.collective_timeout(strategy) or DEFAULT_TIMEOUT_SECONDS
+        timeout = watchdog.timeout_of(strategy) or DEFAULT_TIMEOUT_SECONDS
         wait = datetime.timedelta(seconds=timeout)
         # One key per strategy: a process may connect several in turn.
         key = f"{_KEY_PREFIX}{tf_internal.collective_group_base(strategy)}"

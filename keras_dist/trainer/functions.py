@@ -95,24 +95,35 @@ class FunctionsMixin:
         def one_reduced_step_on_data(data):
             return self._reduce_step_outputs(one_step_on_data(data))
 
-        if not self.run_eagerly:
-            run_on_data = tf.function(
-                one_step_on_data, reduce_retracing=True, jit_compile=self.jit_compile
+        def compiled(fn):
+            if self.run_eagerly:
+                return _optionals_as_none(fn)
+            return _optionals_as_none(
+                tf.function(fn, reduce_retracing=True, jit_compile=self.jit_compile)
             )
-            step_on_data = tf.function(
-                one_reduced_step_on_data,
-                reduce_retracing=True,
-                jit_compile=self.jit_compile,
-            )
-        else:
-            run_on_data, step_on_data = one_step_on_data, one_reduced_step_on_data
-        run_on_data = _optionals_as_none(run_on_data)
-        step_on_data = _optionals_as_none(step_on_data)
+
+        # Batches handed over from Python are traced by their shapes, which
+        # can differ between workers (a short last batch), so their
+        # collectives keep TensorFlow's instance keys; the iterator's steps
+        # are traced alike on every worker and keep theirs
+        # (`collectives.stable_instance_keys`), with functions of their own.
+        run_on_data, step_on_data = (
+            compiled(one_step_on_data),
+            compiled(one_reduced_step_on_data),
+        )
+        iterator_run_on_data, iterator_step_on_data = (
+            compiled(one_step_on_data),
+            compiled(one_reduced_step_on_data),
+        )
 
         @tf.autograph.experimental.do_not_convert
         def step_on_iterator(iterator):
+            with collectives.stable_instance_keys():
+                return steps_on_iterator(iterator)
+
+        def steps_on_iterator(iterator):
             if self.steps_per_execution == 1:
-                return step_on_data(iterator.get_next())
+                return iterator_step_on_data(iterator.get_next())
 
             def more(step, outputs, next_data):
                 del outputs
@@ -122,7 +133,7 @@ class FunctionsMixin:
 
             def run_one(step, outputs, next_data):
                 del outputs
-                outputs = run_on_data(next_data.get_value())
+                outputs = iterator_run_on_data(next_data.get_value())
                 # Never read a batch past `steps_per_execution`: the next
                 # call of the function starts with it.
                 next_data = tf.cond(
@@ -139,7 +150,7 @@ class FunctionsMixin:
                 run_one,
                 [
                     tf.constant(1),
-                    run_on_data(iterator.get_next()),
+                    iterator_run_on_data(iterator.get_next()),
                     iterator.get_next_as_optional(),
                 ],
             )
