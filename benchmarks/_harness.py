@@ -681,7 +681,7 @@ def ring_subdivisions():
     from keras_dist._compat import tf_internal
     from keras_dist.core import collectives
 
-    return tf_internal.subdivide_all_reduces, collectives.RING_SUBDIVS
+    return tf_internal.own_launchers, collectives.RING_SUBDIVS
 
 
 def gloo_switch():

@@ -162,3 +162,53 @@ def reduce_and_apply(
         ),
     )
     return reduced
+
+
+# Optimizers whose update of a sparse gradient equals that of its dense sum:
+# their update is linear in the gradient, or its sign of a dense sum.
+_SPARSE_AS_DENSE = (keras.optimizers.SGD, keras.optimizers.Lion)
+
+
+def warn_of_summed_rows(optimizer, gradients, variables, steps) -> None:
+    """Warns once (at trace time) that a window sums sparse rows densely.
+
+    With `steps > 1` an accumulation window adds each micro-step's sparse
+    gradient (an `Embedding`'s rows) into a dense accumulator, so the inner
+    optimizer gets each row's sum over the window. Keras's Adam, RMSprop,
+    Adagrad and the like square each occurrence of a repeated row of a
+    sparse gradient (keras-team/keras#19992): one batch `steps` times
+    larger gives them other second moments. SGD and Lion agree either way.
+    """
+    if steps <= 1 or getattr(optimizer, "_warned_of_summed_rows", False):
+        return
+    base = list(nested_optimizers(optimizer))[-1]
+    if type(base) in _SPARSE_AS_DENSE:
+        return
+    sparse = [
+        getattr(v, "path", None) or v.name
+        for g, v in zip(gradients, variables)
+        if isinstance(g, tf.IndexedSlices)
+    ]
+    if not sparse:
+        return
+    keras_src.set_untracked_attribute(optimizer, "_warned_of_summed_rows", True)
+    warnings.warn(
+        f"keras_dist: the gradients of {sparse} are sparse (rows of an "
+        f"Embedding or another gather). With accumulation_steps={steps} a "
+        "window's rows are summed into a dense accumulator, so "
+        f"{type(base).__name__} updates a row that repeats within the window "
+        "with the square of its summed gradient, where stock Keras on one "
+        f"batch {steps} times larger squares each occurrence "
+        "(keras-team/keras#19992): the weights differ from that run's. SGD "
+        "and Lion are not affected; accumulation_steps=1 keeps the rows.",
+        stacklevel=2,
+    )
+
+
+def pending_updater(optimizer):
+    """The optimizer (or one it wraps) that accumulates micro-steps, which
+    `apply_pending` applies at the end of an epoch; `None` without one."""
+    for nested in nested_optimizers(optimizer):
+        if callable(getattr(nested, "apply_pending", None)):
+            return nested
+    return None

@@ -5,6 +5,7 @@ masks, the gathered weights' assignment and the sharded loss scaling.
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_dist._compat import keras_src as _compat
@@ -35,7 +36,9 @@ class Shards:
             self._decay = layout.element_mask(decayed)
 
     def in_order(self, grads, variables) -> list:
-        """Gradients in the layout's order; `None` and missing ones as zeros."""
+        """Gradients in the layout's order: `None` for a variable that got
+        none (an unused weight, or one frozen since the build), a
+        `tf.IndexedSlices` (an `Embedding`'s rows) as it is."""
         by_index = {}
         for grad, variable in zip(grads, variables):
             index = self._index.get(id(variable))
@@ -50,21 +53,105 @@ class Shards:
                 by_index[index] = aggregation.as_gradient(grad)
         if not by_index:
             raise ValueError("No gradients provided for any variable.")
+        return [by_index.get(i) for i in range(len(self.variables))]
+
+    def dense(self, grads) -> list:
+        """`grads` as dense tensors, zeros where a gradient is absent or
+        sparse (the sparse ones travel as rows: `local_sparse_update`)."""
         return [
-            tf.convert_to_tensor(by_index[i])
-            if i in by_index
-            else tf.zeros(v.shape, v.dtype)
-            for i, v in enumerate(self.variables)
+            tf.zeros(v.shape, v.dtype)
+            if g is None or isinstance(g, tf.IndexedSlices)
+            else tf.convert_to_tensor(g)
+            for g, v in zip(grads, self.variables)
         ]
 
-    def local_decay_mask(self, replica):
-        if self._decay is None or isinstance(self._decay, float):
-            return self._decay
-        return self.layout.local(self._decay, replica)
+    def local_positions(self, flags, replica):
+        """Positions in replica `replica`'s slice of the elements of the
+        variables whose flag is set (int64)."""
+        mask = self.layout.local(self.layout.element_mask(flags), replica)
+        static = tf.get_static_value(mask)
+        if static is not None:
+            return tf.constant(np.flatnonzero(static), tf.int64)
+        return tf.reshape(tf.where(mask > 0), [-1])
 
-    def clipped(self, local, replica):
-        """The inner optimizer's clipping, on the summed gradient's slices."""
+    def local_sparse_update(self, local, rows, active, replica):
+        """The slice's gradient as `tf.IndexedSlices`: each element of an
+        active dense variable once, and each element of every row of the
+        sparse gradients as often as its row occurs.
+
+        An optimizer that squares or divides by the gradient (Adam,
+        RMSprop, Adagrad) then updates a slice as stock Keras updates the
+        whole variables: per occurrence of a repeated row.
+
+        Args:
+            local: This replica's summed dense slice.
+            rows: Dict, layout index -> the gathered `tf.IndexedSlices` of
+                that variable (every replica's rows).
+            active: List of bools: the variables that got a gradient.
+            replica: This replica's id.
+        """
+        size = self.layout.slice_size
+        dense_flags = [a and i not in rows for i, a in enumerate(active)]
+        positions = [self.local_positions(dense_flags, replica)]
+        values = [tf.gather(local, positions[0])]
+        start = tf.cast(replica, tf.int64) * size
+        for index, grad in rows.items():
+            shape = self.layout.shapes[index]
+            width = int(np.prod(shape[1:], dtype=np.int64))
+            rows_at = tf.cast(grad.indices, tf.int64)[:, None] * width
+            flat = (
+                self.layout.offsets[index] + rows_at + tf.range(width, dtype=tf.int64)
+            )
+            flat = tf.reshape(flat, [-1])
+            row_values = tf.reshape(tf.cast(grad.values, local.dtype), [-1])
+            mine = (flat >= start) & (flat < start + size)
+            positions.append(tf.boolean_mask(flat, mine) - start)
+            values.append(tf.boolean_mask(row_values, mine))
+        return tf.IndexedSlices(
+            tf.concat(values, axis=0),
+            tf.concat(positions, axis=0),
+            tf.constant([size], tf.int64),
+        )
+
+    def local_inactive(self, active, replica):
+        """A boolean slice: `True` where the element's variable got no
+        gradient (it must keep its value and its optimizer state), or
+        `None` when every variable got one."""
+        if all(active):
+            return None
+        mask = self.layout.local(
+            self.layout.element_mask([not a for a in active]), replica
+        )
+        return tf.cast(mask, tf.bool)
+
+    def local_decay_mask(self, replica, active=None):
+        """Where weight decay applies in replica `replica`'s slice: `None`
+        (nowhere), `1.0` (everywhere) or a float mask. Only variables that
+        got a gradient decay, as Keras skips the others."""
+        decay = self._decay
+        if active is not None and not all(active):
+            decayed = [_compat.uses_weight_decay(self._base, v) for v in self.variables]
+            flags = [d and a for d, a in zip(decayed, active)]
+            decay = self.layout.element_mask(flags) if any(flags) else None
+        if decay is None or isinstance(decay, float):
+            return decay
+        return self.layout.local(decay, replica)
+
+    def clipped(self, local, replica, rows=None):
+        """The inner optimizer's clipping, on the summed gradient's slices
+        (and the values of sparse rows, which only `clipvalue` may clip)."""
         base = self._base
+        if rows and (base.clipnorm or base.global_clipnorm):
+            names = [self.variables[i].path for i in rows]
+            raise ValueError(
+                "ShardedOptimizer cannot clip by norm where gradients are "
+                f"sparse: {names} get an Embedding's rows, whose norm Keras "
+                "counts per occurrence of a row. Received: inner optimizer "
+                f"with clipnorm={base.clipnorm}, global_clipnorm="
+                f"{base.global_clipnorm}. Use `clipvalue`, or train "
+                "unsharded (GradientAccumulationOptimizer or the model's "
+                "own aggregation clip these exactly)."
+            )
         if base.clipvalue:
             local = tf.clip_by_value(local, -base.clipvalue, base.clipvalue)
         if base.clipnorm:

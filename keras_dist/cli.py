@@ -80,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, trailing = argv[:split], argv[split + 1 :]
     else:
         trailing = None
+    argv = _attach_option_values(argv)
     parser = _build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -333,6 +334,28 @@ def _int_at_least(minimum: int):
         return value
 
     return parse
+
+
+# Options whose value may start with "-" (`--workers -1:2` is a bad count,
+# which `_workers` explains; argparse would take "-1:2" for an option and
+# say only "expected one argument").
+_VALUE_OPTIONS = ("--workers",)
+
+
+def _attach_option_values(argv: list[str]) -> list[str]:
+    """`--workers -1:2` as `--workers=-1:2`, so argparse hands the value on."""
+    attached = []
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        following = argv[index + 1] if index + 1 < len(argv) else None
+        if word in _VALUE_OPTIONS and following and following.startswith("-"):
+            attached.append(f"{word}={following}")
+            index += 2
+            continue
+        attached.append(word)
+        index += 1
+    return attached
 
 
 def _workers(text: str) -> int | tuple[int, int]:

@@ -48,9 +48,20 @@ class GradientAccumulationOptimizer(InnerOptimizerWrapper):
     - `accumulation_steps` can be assigned while training runs; the train
       function is not retraced. A cycle in progress completes when it has
       the new number of micro-steps.
-    - A partial accumulation at the end of an epoch or of `fit` is **carried
-      over**: it completes with the next micro-steps (next epoch or next
-      `fit`). Call `reset_accumulation()` to discard it instead.
+    - An epoch's last, partial window: `DistributedModel.fit` applies it
+      when the epoch's steps end (`apply_pending`), so every epoch equals
+      one of batch `k * b * R`, whose last batch is short the same way.
+      With a plain `keras.Model` (whose `fit` does not tell the optimizer
+      where an epoch ends) it is **carried over** and completes with the
+      next micro-steps (next epoch or next `fit`). `reset_accumulation()`
+      discards it instead.
+    - Sparse gradients (an `Embedding`'s rows): with `accumulation_steps=1`
+      the rows reach the inner optimizer as they are, as in stock Keras.
+      With more, a window's rows are summed into a dense accumulator: Adam,
+      RMSprop, Adagrad and the like then update a row repeated within the
+      window with the square of its summed gradient, where stock Keras on
+      one batch `k` times larger squares each occurrence; a warning names
+      the variable (SGD and Lion agree either way).
     - Checkpoints (`.keras` files, `tf.train.Checkpoint`) save the
       accumulators and the examples they hold (summed over replicas) and
       the count of pending micro-steps; restoring resumes the cycle where
@@ -355,7 +366,51 @@ class GradientAccumulationOptimizer(InnerOptimizerWrapper):
         grads, variables = _apply.filter_empty_gradients(grads, trainable_variables)
         for variable in variables:
             self._index(variable)
+        _apply.warn_of_summed_rows(
+            self, grads, variables, self._initial_accumulation_steps
+        )
+        apply = self._applier(hook, non_finite_gradients, log_skips)
+        self._cycle.accumulate(grads, variables, apply, batch_size=batch_size)
 
+    def apply_pending(self, hook, non_finite_gradients="apply", log_skips=True):
+        """Applies the micro-steps accumulated since the last update, if any.
+
+        The mean over their examples, reduced with `hook` and applied by the
+        inner optimizer, as a full cycle would. `DistributedModel.fit` calls
+        it when an epoch's steps end, so an epoch that is not a multiple of
+        `accumulation_steps` micro-batches ends with an update on its last,
+        shorter window, as one batch `accumulation_steps` times larger
+        would. Runs in replica context (`strategy.run`); does nothing when
+        nothing is pending.
+
+        Args:
+            hook: The built `AllReduceHook` the model trains with.
+            non_finite_gradients: String, as in `accumulate_and_apply`.
+            log_skips: Bool, as in `accumulate_and_apply`.
+        """
+        self._check_built("apply_pending")
+        self._cycle.apply_pending(self._applier(hook, non_finite_gradients, log_skips))
+
+    @property
+    def pending_variables(self):
+        """Positions (in the built variable list) of the variables an update
+        of the current window applies to (those that got gradients in the
+        traced step), or `None` before the step is traced. A backup records
+        them, so that a resumed run can close the window before it traces
+        its own step."""
+        variables = getattr(self._cycle, "last_variables", None) if self.built else None
+        if variables is None:
+            return None
+        return [self._cycle.index(v) for v in variables]
+
+    def restore_pending_variables(self, positions) -> None:
+        """Sets `pending_variables` from a backup where no step was traced."""
+        if not self.built or getattr(self._cycle, "last_variables", None) is not None:
+            return
+        built = _compat.optimizer_trainable_variables(self)
+        self._cycle.last_variables = [built[i] for i in positions if i < len(built)]
+
+    def _applier(self, hook, non_finite_gradients, log_skips):
         def apply(mean_grads, variables):
             _apply.reduce_and_apply(
                 self.inner_optimizer,
@@ -366,7 +421,7 @@ class GradientAccumulationOptimizer(InnerOptimizerWrapper):
                 log_skips=log_skips,
             )
 
-        self._cycle.accumulate(grads, variables, apply, batch_size=batch_size)
+        return apply
 
     def _index(self, variable):
         try:

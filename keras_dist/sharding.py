@@ -90,7 +90,9 @@ class ShardedOptimizer(InnerOptimizerWrapper):
     Inner optimizers whose update of an element needs other elements of its
     variable are refused (Adafactor's factored moments, Lamb's per-variable
     trust ratio, Muon): their update on a slice would differ. Use them
-    unsharded.
+    unsharded. A subclass of an elementwise optimizer that replaces its
+    update rule (`update_step`) is refused too, unless the class says its
+    update is elementwise (`elementwise = True` as a class attribute).
 
     Args:
         inner_optimizer: `keras.optimizers.Optimizer`, one of the elementwise
@@ -354,31 +356,103 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
+        # Keras's error for no gradient at all, and its warning naming the
+        # variables without one (they are left alone, as Keras does).
+        _apply.filter_empty_gradients(grads, trainable_variables)
         shards = self._shards
         grads = shards.in_order(grads, trainable_variables)
+        # Static per trace: which variables got a gradient, which sparse.
+        active = [g is not None for g in grads]
         if self._accumulation_steps == 1:
             if batch_size is not None:
-                grads = aggregation.weight_by_batch_share(grads, batch_size)
+                weighted = aggregation.weight_by_batch_share(
+                    [g for g in grads if g is not None], batch_size
+                )
+                weighted = iter(weighted)
+                grads = [None if g is None else next(weighted) for g in grads]
             local = self._reduce_to_owners(
-                shards.layout.flatten(grads, self._slice.dtype), hook
+                shards.layout.flatten(shards.dense(grads), self._slice.dtype), hook
             )
-            self._update(local, non_finite_gradients, log_skips)
+            # Sparse gradients travel as rows, every replica's gathered, as
+            # the unsharded path sends them.
+            rows = {
+                i: collectives.all_reduce(g)
+                for i, g in enumerate(grads)
+                if isinstance(g, tf.IndexedSlices)
+            }
+            self._update(local, non_finite_gradients, log_skips, active, rows)
             return
         # Stage 2: the sum of every replica's examples' gradients, reduce-
         # scattered now into the slice accumulator; the cycle divides by the
         # examples on update (as `GradientAccumulationOptimizer` does).
+        # Sparse rows are summed densely into it (a warning says what that
+        # changes).
+        _apply.warn_of_summed_rows(
+            self,
+            [g for g in grads if g is not None],
+            [v for g, v in zip(grads, shards.variables) if g is not None],
+            self._accumulation_steps,
+        )
+        dense = [None if g is None else tf.convert_to_tensor(g) for g in grads]
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         examples = tf.cast(1 if batch_size is None else batch_size, tf.float32)
-        flat = shards.layout.flatten(grads, self._slice.dtype)
+        flat = shards.layout.flatten(shards.dense(dense), self._slice.dtype)
         flat = flat * tf.cast(examples * replicas, flat.dtype)
         local = self._reduce_to_owners(flat, hook)
+        self._cycle.accumulate(
+            [local],
+            [self._slice],
+            self._applier(non_finite_gradients, log_skips, active),
+            batch_size=batch_size,
+            weighted=True,
+        )
+
+    def apply_pending(self, hook, non_finite_gradients="apply", log_skips=True):
+        """Applies the micro-steps accumulated since the last update (stage
+        2), if any; `DistributedModel.fit` calls it when an epoch's steps
+        end (see `GradientAccumulationOptimizer.apply_pending`). Does
+        nothing without accumulation (`accumulation_steps=1`).
+
+        Args:
+            hook: The model's hook (the reduce-scatter already happened).
+            non_finite_gradients: String, as in `shard_and_apply`.
+            log_skips: Bool, as in `shard_and_apply`.
+        """
+        del hook
+        if self._accumulation_steps == 1 or not self.built:
+            return
+        active = getattr(self, "_stage2_active", None)
+        self._cycle.apply_pending(
+            self._applier(non_finite_gradients, log_skips, active)
+        )
+
+    @property
+    def pending_variables(self):
+        """Positions of the variables a stage-2 update applies to (those
+        that got gradients in the traced step), or `None` before it is
+        traced or without accumulation (see
+        `GradientAccumulationOptimizer.pending_variables`)."""
+        active = getattr(self, "_stage2_active", None)
+        return None if active is None else [i for i, a in enumerate(active) if a]
+
+    def restore_pending_variables(self, positions) -> None:
+        """Sets `pending_variables` from a backup where no step was traced."""
+        if self._accumulation_steps == 1 or not self.built:
+            return
+        if getattr(self, "_stage2_active", None) is not None:
+            return
+        wanted = set(positions)
+        active = [i in wanted for i in range(len(self._shards.variables))]
+        _compat.set_untracked_attribute(self, "_stage2_active", active)
+        self._cycle.last_variables = [self._slice]
+
+    def _applier(self, non_finite_gradients, log_skips, active):
+        _compat.set_untracked_attribute(self, "_stage2_active", active)
 
         def apply(mean, _):
-            self._update(mean[0], non_finite_gradients, log_skips)
+            self._update(mean[0], non_finite_gradients, log_skips, active)
 
-        self._cycle.accumulate(
-            [local], [self._slice], apply, batch_size=batch_size, weighted=True
-        )
+        return apply
 
     def _reduce_to_owners(self, flat, hook):
         """This replica's summed slice; a cast hook's dtype on the wire."""
@@ -396,47 +470,102 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         (local,) = hook.count_overflow(overflowed, [local])
         return local
 
-    def _update(self, local, non_finite, log_skips):
-        """Updates this replica's slice with its summed gradient; gathers."""
+    def _update(self, local, non_finite, log_skips, active=None, rows=None):
+        """Updates this replica's slice with its summed gradient; gathers.
+
+        `active` (one bool per variable, static) marks the variables that
+        got a gradient: the others keep their values and optimizer state,
+        as Keras skips them. `rows` (layout index -> gathered
+        `tf.IndexedSlices`) are the sparse gradients, applied per
+        occurrence of a row, as Keras applies them.
+        """
         shards = self._shards
         base = self._base
+        rows = dict(rows or {})
+        active = list(active) if active is not None else [True] * len(shards.variables)
         replica = tf.distribute.get_replica_context().replica_id_in_sync_group
         scaler = self._loss_scaler
+
+        def scaled(divisor):
+            nonlocal local
+            local = local / tf.cast(divisor, local.dtype)
+            for i, grad in rows.items():
+                rows[i] = tf.IndexedSlices(
+                    grad.values / tf.cast(divisor, grad.values.dtype),
+                    grad.indices,
+                    grad.dense_shape,
+                )
+
         # Unscale, then clip, as Keras's `apply` does.
         if scaler is not None:
-            local = local / tf.cast(scaler.dynamic_scale, local.dtype)
+            scaled(scaler.dynamic_scale)
         if base.loss_scale_factor is not None:
-            local = local / base.loss_scale_factor
+            scaled(base.loss_scale_factor)
         finite = None
         if scaler is not None or non_finite != "apply":
-            finite = tf.equal(sharding.count_non_finite(local), 0)
-        local = shards.clipped(local, replica)
+            finite = tf.equal(
+                sharding.count_non_finite(
+                    local, [grad.values for grad in rows.values()]
+                ),
+                0,
+            )
+        local = shards.clipped(local, replica, rows)
+        if base.clipvalue:
+            for i, grad in rows.items():
+                rows[i] = tf.IndexedSlices(
+                    tf.clip_by_value(grad.values, -base.clipvalue, base.clipvalue),
+                    grad.indices,
+                    grad.dense_shape,
+                )
         # The slice of the model's current weights: the weights may have
         # been set since the last update (set_weights, a restore).
         self._slice.assign(
             shards.layout.local_of(shards.variables, replica, self._slice.dtype)
         )
 
-        def update(local):
-            # Run per replica, maybe from a cross-replica `cond`: this
-            # replica's values come in `local` and its own context.
-            (local,) = local
+        # This replica's values reach `update` as its arguments (a
+        # cross-replica `cond` passes each replica its own): the slice, then
+        # each sparse variable's values and indices.
+        keys = sorted(rows)
+        parts = [local]
+        for i in keys:
+            parts += [rows[i].values, rows[i].indices]
+
+        def update(parts):
+            # Run per replica, maybe from a cross-replica `cond`.
+            local = parts[0]
+            rows = {
+                i: tf.IndexedSlices(parts[1 + 2 * k], parts[2 + 2 * k])
+                for k, i in enumerate(keys)
+            }
             here = tf.distribute.get_replica_context().replica_id_in_sync_group
-            mask = shards.local_decay_mask(here)
+            mask = shards.local_decay_mask(here, active)
             if mask is not None:
                 learning_rate = tf.cast(base.learning_rate, local.dtype)
                 decay = tf.cast(base.weight_decay, local.dtype)
                 self._slice.assign_sub(self._slice * decay * learning_rate * mask)
+            inactive = shards.local_inactive(active, here)
+            kept = []
+            if inactive is not None:
+                kept = [
+                    (variable, variable.value.read_value())
+                    for variable in [self._slice, *self._slots()]
+                ]
+            gradient = local
+            if rows or inactive is not None:
+                gradient = shards.local_sparse_update(local, rows, active, here)
             _compat.backend_update_step(
-                base, [local], [self._slice], base.learning_rate
+                base, [gradient], [self._slice], base.learning_rate
             )
+            for variable, before in kept:
+                variable.assign(tf.where(inactive, before, variable.value))
             base.iterations.assign_add(1)
 
         if scaler is not None:
-            update_loss_scale(scaler, finite, update, [local])
+            update_loss_scale(scaler, finite, update, parts)
         else:
             aggregation.apply_reduced(
-                [local],
+                parts,
                 update,
                 non_finite,
                 base.iterations,
@@ -448,6 +577,15 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             )
         # Every replica's slice into every replica's weights.
         shards.assign(sharding.gather_slices(shards.layout, self._slice.value))
+
+    def _slots(self):
+        """The inner optimizer's slice-sized state (its slots)."""
+        size = (self._shards.layout.slice_size,)
+        return [
+            v
+            for v in self._base.variables
+            if tuple(v.shape) == size and v is not self._base.iterations
+        ]
 
     # --- Saving: whole state, resharded on load -----------------------------
 
@@ -580,6 +718,20 @@ def _check_inner(inner):
             f"{[cls.__name__ for cls in ELEMENTWISE]}, or train "
             f"{type(base).__name__} unsharded."
         )
+    if type(base) not in ELEMENTWISE and not getattr(type(base), "elementwise", False):
+        known = next(c for c in type(base).__mro__ if c in ELEMENTWISE)
+        replaced = _compat.update_rule_overridden(type(base), known)
+        if replaced:
+            raise ValueError(
+                f"ShardedOptimizer cannot tell whether {type(base).__name__} "
+                f"updates an element from that element alone: it is a "
+                f"{known.__name__} with its own {' and '.join(replaced)}, "
+                "which may read a whole variable (a norm, a trust ratio, as "
+                "LARS does) and would then differ on a slice. Received: "
+                f"inner_optimizer={type(base).__name__}. If its update is "
+                "elementwise, say so with the class attribute "
+                "`elementwise = True`; otherwise train it unsharded."
+            )
     if base.use_ema:
         raise ValueError(
             "ShardedOptimizer does not keep an exponential moving average of "

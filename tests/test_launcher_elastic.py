@@ -11,6 +11,7 @@ the restart and supervision machinery they share is in
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 
@@ -66,7 +67,9 @@ def test_workers_take_a_count_or_a_range(text, workers):
     assert cli._workers(text) == workers
 
 
-@pytest.mark.parametrize("text", ["0:2", "3:2", "a:b", "2:", ":3", "2:4:6", "0", "x"])
+@pytest.mark.parametrize(
+    "text", ["0:2", "3:2", "a:b", "2:", ":3", "2:4:6", "0", "x", "-1:2", "-2"]
+)
 def test_a_bad_workers_form_is_a_usage_error_naming_the_right_form(text, capsys):
     status = cli.main(["launch", "--workers", text, "--", "true"])
 
@@ -312,3 +315,52 @@ def _wait_group_gone(pgid, timeout=5.0):
             os.killpg(pgid, signal.SIGKILL)
             raise AssertionError(f"process group {pgid} is still running")
         time.sleep(0.05)
+
+
+def test_sigterm_while_discovering_stops_the_discovery_too(tmp_path):
+    # SIGTERM to the launcher while its discovery command runs: the command
+    # and what it started must not outlive it (they did, the launcher
+    # dying by the default action of SIGTERM; Ctrl-C was clean).
+    group = tmp_path / "group"
+    discover = f"echo $$ > {shlex.quote(str(group))}; sleep 100; echo 2"
+    command = [sys.executable, "-m", "keras_dist", "launch", "--workers", "1:2"]
+    launcher_process = subprocess.Popen(
+        [*command, "--discover", discover, "--", "true"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not group.exists() or not group.read_text().strip():
+            assert time.monotonic() < deadline, "the discovery command never ran"
+            time.sleep(0.05)
+        launcher_process.send_signal(signal.SIGTERM)
+        _, err = launcher_process.communicate(timeout=30)
+    finally:
+        if launcher_process.poll() is None:
+            launcher_process.kill()
+    assert launcher_process.returncode == 143
+    assert "received SIGTERM while asking for worker slots; stopping." in err
+    _wait_group_gone(int(group.read_text()))
+
+
+def test_a_discovery_that_leaves_a_child_answers_at_once(tmp_path):
+    # The count is printed and the shell exits; a background child still
+    # holds its output. The answer counts at once (not after the 30 s
+    # timeout), and the child is stopped with the command's group.
+    group = tmp_path / "group"
+    discover = f"echo $$ > {shlex.quote(str(group))}; sleep 100 & echo 3"
+    start = time.monotonic()
+    assert elastic.discover_slots(discover) == 3
+    assert time.monotonic() - start < 10
+    _wait_group_gone(int(group.read_text()))
+
+
+def test_a_huge_discovery_output_is_cut_in_the_message():
+    discover = f"{shlex.quote(sys.executable)} -c 'print(\"x\" * 20_000_000)'"
+    with pytest.raises(elastic.DiscoveryError) as raised:
+        elastic.discover_slots(discover)
+    message = str(raised.value)
+    assert "(20000001 characters in all)" in message
+    assert len(message) < 2000

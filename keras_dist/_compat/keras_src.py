@@ -85,6 +85,16 @@ def optimizer_all_reduce_disabled(optimizer):
                     _patch_depth[id(target)] = depth
 
 
+def update_rule_overridden(cls, base) -> list:
+    """The update methods subclass `cls` of optimizer class `base` replaces
+    (`update_step`, `_backend_update_step`): names, empty when none."""
+    return [
+        name
+        for name in ("update_step", "_backend_update_step")
+        if getattr(cls, name) is not getattr(base, name)
+    ]
+
+
 def backend_update_step(optimizer, gradients, variables, learning_rate) -> None:
     """Runs `optimizer`'s own update of `variables` and nothing else.
 
@@ -167,6 +177,11 @@ class StateSaveable(KerasSaveable):
         return "Loss"
 
 
+def sublayers(model) -> list:
+    """Every layer of `model`, nested ones too (`Layer._flatten_layers`)."""
+    return list(model._flatten_layers(include_self=False))
+
+
 def _needs_symbolic_build(model) -> bool:
     """The conditions under which `Trainer._symbolic_build` does any work."""
     return (
@@ -195,7 +210,9 @@ class MultiWorkerBuildFix:
             # skip creating a distributed iterator only to read one batch's
             # shapes, which costs ~0.5 s per call under MirroredStrategy.
             return
-        if iterator is not None:
+        if iterator is not None and data_batch is None:
+            data_batch = epoch_batch_spec(iterator)
+        if iterator is not None and data_batch is None:
             for _, _, it in iterator:
                 try:
                     batch = next(it)
@@ -212,6 +229,44 @@ class MultiWorkerBuildFix:
                 break
         with strategy.scope():
             symbolic_build(self, data_batch)
+
+
+def epoch_batch_spec(epoch_iterator):
+    """The first replica's batch as `tf.TypeSpec`s, read without iterating.
+
+    Building needs a batch's shapes and dtypes only. Reading one batch and
+    resetting, as stock Keras does, makes a second iterator of the data: a
+    dataset that reshuffles each iteration (`shuffle(..., seed=s)`, the
+    default `reshuffle_each_iteration=True`; arrays with `shuffle=True`)
+    then trains on its second order where one device trains on its first.
+    Keras's TensorFlow epoch iterator keeps its (distributed) dataset in
+    `_distributed_dataset` (keras/src/backend/tensorflow/trainer.py).
+    `None` when there is none to read.
+    """
+    dataset = getattr(epoch_iterator, "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+
+    def first(component):
+        values = getattr(component, "_value_specs", None)
+        return values[0] if values else component
+
+    return tf.nest.map_structure(first, spec)
+
+
+class EpochStepsEnd:
+    """Mixin: calls `self._after_steps()` when a loop over steps ends.
+
+    Keras's TensorFlow `fit` calls `_get_metrics_result_or_logs` right after
+    an epoch's last train step, before validation and `on_epoch_end`
+    (keras/src/backend/tensorflow/trainer.py); `evaluate` calls it after its
+    last test step. The model tells the two apart.
+    """
+
+    def _get_metrics_result_or_logs(self, logs):
+        self._after_steps()
+        return super()._get_metrics_result_or_logs(logs)
 
 
 def _first_replica_batch(strategy, batch):
@@ -387,6 +442,18 @@ def epoch_iterator_input(epoch_iterator) -> tuple[str, int | None]:
     return name, None
 
 
+def epoch_iterator_shuffles_batches(epoch_iterator) -> bool:
+    """Whether `fit`'s input is a `tf.data.Dataset` that shuffles its
+    batches (see `tf_internal.shuffles_batches`)."""
+    adapter = epoch_iterator.data_adapter
+    if type(adapter).__name__ != "TFDatasetAdapter":
+        return False
+    dataset = adapter.get_tf_dataset()
+    return isinstance(dataset, tf.data.Dataset) and _tf_internal.shuffles_batches(
+        dataset
+    )
+
+
 def build_from_epoch_iterator(model, epoch_iterator) -> None:
     """Builds what `fit` would build in its first step (metrics, optimizer).
 
@@ -398,7 +465,11 @@ def build_from_epoch_iterator(model, epoch_iterator) -> None:
     if not _needs_symbolic_build(model):
         return
     strategy = model.distribute_strategy
-    data_batch = None
+    data_batch = epoch_batch_spec(epoch_iterator)
+    if data_batch is not None:
+        with strategy.scope():
+            symbolic_build(model, data_batch)
+        return
     for _, _, iterator in epoch_iterator:
         batch = iterator[0] if isinstance(iterator, (list, tuple)) else next(iterator)
         data_batch = _first_replica_batch(strategy, batch)

@@ -381,6 +381,21 @@ _BATCHING_DATASETS = (
 _UNBATCHING_DATASETS = ("_UnbatchDataset", "_RebatchDataset", "_LegacyRebatchDataset")
 
 
+def shuffles_batches(dataset) -> bool:
+    """Whether `dataset` shuffles after its batching step (`.batch(n)
+    .shuffle(...)`): then which samples make a batch, and so the order of
+    the samples, depends on `n`."""
+    node, shuffled = dataset, False
+    while node is not None:
+        name = type(node).__name__
+        if name == "_ShuffleDataset":
+            shuffled = True
+        if name in _BATCHING_DATASETS:
+            return shuffled
+        node = getattr(node, "_input_dataset", None)
+    return False
+
+
 def dataset_batch_size(dataset) -> int | None:
     """The size of `dataset`'s outermost batching step, or `None`.
 
@@ -419,11 +434,16 @@ def publish_key(key: str, value: str) -> None:
     context.context().set_config_key_value(key, value)
 
 
-def read_key(key: str) -> str:
-    """Waits until `key` is set in the coordination service's store; its value."""
+def read_key(key: str, timeout_seconds: float | None = None) -> str:
+    """Waits until `key` is set in the coordination service's store; its value.
+
+    Raises:
+        tf.errors.DeadlineExceededError: `timeout_seconds` passed first.
+    """
     from tensorflow.python.eager import context
 
-    return context.context().get_config_key_value(key)
+    timeout_ms = 0 if timeout_seconds is None else int(timeout_seconds * 1000)
+    return context.context().get_config_key_value(key, timeout_ms)
 
 
 def worker_rank(strategy) -> int:

@@ -218,6 +218,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._owner = None
         self._configured_steps = None
         self._batches_in_epoch = 0
+        self._full_batch = None
         self._input = None
         self._resize = None
 
@@ -243,6 +244,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._train_function = None
         self._pending = None
         self._batches_in_epoch = 0
+        self._full_batch = None
         accumulator = resume_lib.accumulator_of(model)
         # What this run asks for, before a backup overwrites the variable.
         self._configured_steps = (
@@ -295,12 +297,19 @@ class BackupAndRestore(keras.callbacks.Callback):
                         "An elastic resume (a backup of another number of replicas)",
                     )
                 self._resize = elastic.plan(
-                    manifest, self._strategy, self._fit_input(), self._spx, path
+                    manifest,
+                    self._strategy,
+                    self._fit_input(),
+                    self._spx,
+                    path,
+                    shuffles_batches=self._epoch_iterator is not None
+                    and _compat.epoch_iterator_shuffles_batches(self._epoch_iterator),
                 )
                 # The position and calls in this run's batches; the saved
                 # per-worker batch size does not apply to this layout.
                 manifest = dict(
                     manifest,
+                    epoch=self._resize.epoch,
                     position=self._resize.position,
                     calls=self._resize.calls,
                     batch_size=None,
@@ -337,6 +346,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._batches_in_epoch = batch + 1
         if self._fit.is_replayed(batch):
             return
+        if batch < self._spx:
+            # The epoch's first call: its batches are full ones (a short
+            # batch ends an epoch), unless the epoch is shorter than a call.
+            steps = (self.params or {}).get("steps")
+            self._full_batch = (
+                resume_lib.batch_size(self.model, self._batches_in_epoch)
+                if steps is None or steps >= self._spx
+                else None
+            )
         self._batches_since_save += max(1, batch - self._batch_begin + 1)
         calls = batch // self._spx + 1
         if self._agree_on_preemption():
@@ -412,11 +430,21 @@ class BackupAndRestore(keras.callbacks.Callback):
             position = 0
         else:
             position = _compat.epoch_iterator_position(self._epoch_iterator)
+        steps = (self.params or {}).get("steps")
         self._pending = {
             "epoch": int(epoch),
             "calls": int(calls),
             "position": int(position),
-            "batch_size": resume_lib.batch_size(self.model, self._batches_in_epoch),
+            # The epoch's last batch (maybe a short one), of an input that
+            # starts afresh each epoch: on another layout the backup goes on
+            # at the next epoch's start (`elastic.plan`).
+            "epoch_complete": bool(
+                steps is not None
+                and calls * self._spx >= steps
+                and self._epoch_iterator is not None
+                and _compat.next_epoch_starts_fresh(self._epoch_iterator)
+            ),
+            "batch_size": self._full_batch,
             "logs": _float_logs(logs),
             "preempted": preempted,
         }
@@ -440,7 +468,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._restore_sigterm_handler()
             raise SystemExit(EXIT_PREEMPTED)
 
-    def _save(self, epoch, calls, position, batch_size, logs):
+    def _save(self, epoch, calls, position, epoch_complete, batch_size, logs):
         """Writes a backup (chief) after gathering per-replica state (all)."""
         model = self.model
         # One write at a time: the previous one ends before this gather.
@@ -459,12 +487,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             "epoch": int(epoch),
             "calls": int(calls),
             "position": int(position),
+            "epoch_complete": epoch_complete,
             "steps_per_execution": self._spx,
             "batch_size": batch_size,
             "global_batch": (self._fit_input() or (None, None))[1],
             "accumulation": resume_lib.accumulation_state(
                 model, self._configured_steps
             ),
+            "pending_variables": resume_lib.pending_variables(model),
             "replicas": replicas,
             "workers": topology.count_workers(self._strategy),
             "logs": logs,
@@ -530,6 +560,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         resume_lib.restore_provider_states(
             inventory.providers, resume.manifest.get("callbacks", {})
         )
+        resume_lib.restore_pending_variables(
+            model, resume.manifest.get("pending_variables")
+        )
+        # The resumed epoch's first batch was read by the interrupted run.
+        self._full_batch = resume.manifest.get("batch_size")
         resume.restored = True
         logger.warning(
             "BackupAndRestore: resumed from %s at epoch %d, after %d batches of it.",

@@ -32,6 +32,7 @@ import math
 
 import keras
 
+from keras_dist._compat import keras_src as _compat
 from keras_dist.backup.store import BackupError
 from keras_dist.core import topology
 from keras_dist.core.inventory import PER_REPLICA, reshard
@@ -55,6 +56,9 @@ class Resize:
             the interrupted run had done, in this run's batches.
         accumulation_steps: Int or `None` (no accumulating optimizer).
         pending: Int. Micro-steps of this run the backup's cycle holds.
+        epoch: Int. The epoch to resume in: the backup's, or the next one
+            when the backup ends its epoch (a short last batch has no
+            counterpart in this run's batches).
     """
 
     workers: tuple
@@ -65,6 +69,7 @@ class Resize:
     calls: int
     accumulation_steps: int | None
     pending: int
+    epoch: int
 
     @property
     def learning_rate_factor(self) -> float:
@@ -90,7 +95,14 @@ def is_resize(manifest: dict, strategy) -> bool:
     ] != topology.count_workers(strategy)
 
 
-def plan(manifest: dict, strategy, data: tuple, spx: int, where: str) -> Resize:
+def plan(
+    manifest: dict,
+    strategy,
+    data: tuple,
+    spx: int,
+    where: str,
+    shuffles_batches: bool = False,
+) -> Resize:
     """Decides how the backup goes on with this run, or refuses it.
 
     Args:
@@ -102,6 +114,9 @@ def plan(manifest: dict, strategy, data: tuple, spx: int, where: str) -> Resize:
             `keras.Model`).
         spx: Int. `steps_per_execution` (the same as the backup's).
         where: String. The backup, for messages.
+        shuffles_batches: Bool. The input shuffles after it batches
+            (`.batch(n).shuffle(...)`): its samples come in another order
+            in batches of another size. Defaults to `False`.
 
     Returns:
         A `Resize`.
@@ -134,6 +149,17 @@ def plan(manifest: dict, strategy, data: tuple, spx: int, where: str) -> Resize:
             "keras_dist.DistributedModel (`DistributedModel.from_model(model)`"
             f"); or resume with {workers[0]} worker(s)."
         )
+    if shuffles_batches and batch != saved_batch:
+        raise BackupError(
+            f"{layout}. This run's global batch is {batch} samples where the "
+            f"backup's was {saved_batch}, and its tf.data input shuffles after "
+            "it batches (`.batch(n).shuffle(...)`): batches of another size "
+            "hold other samples, so the run would go on with another order of "
+            "them than the interrupted one. Batch last (`.shuffle(..., seed=s)"
+            ".batch(n)`) to resume on another number of workers, keep the "
+            f"global batch at {saved_batch}, or resume with {workers[0]} "
+            "worker(s)."
+        )
     accumulation = manifest.get("accumulation")
     saved_steps = accumulation["steps"] if accumulation else 1
     update = saved_batch * saved_steps
@@ -157,6 +183,22 @@ def plan(manifest: dict, strategy, data: tuple, spx: int, where: str) -> Resize:
             f"{workers[0]} worker(s), or save at the end of an update "
             "(save_freq a multiple of accumulation_steps)."
         )
+    if manifest.get("epoch_complete"):
+        # The backup ends its epoch, whose last batch may be short: go on at
+        # the next epoch's first batch (an input that starts afresh each
+        # epoch), where both layouts agree. The epoch's last update was
+        # applied before the backup was written.
+        return Resize(
+            workers=workers,
+            replicas=replicas,
+            step_batch=(saved_batch, batch),
+            update_batch=(update, new_update),
+            position=0,
+            calls=0,
+            accumulation_steps=steps,
+            pending=pending,
+            epoch=manifest["epoch"] + 1,
+        )
     position = _whole(
         manifest["position"] * saved_batch,
         batch,
@@ -178,6 +220,7 @@ def plan(manifest: dict, strategy, data: tuple, spx: int, where: str) -> Resize:
         calls=trained,
         accumulation_steps=steps,
         pending=pending,
+        epoch=manifest["epoch"],
     )
 
 
@@ -248,6 +291,19 @@ def apply(model, resize: Resize, accumulator, autoscale) -> None:
         accumulator.accumulation_steps = resize.accumulation_steps
         accumulator.pending_micro_steps.assign(resize.pending)
     logger.warning("BackupAndRestore: elastic resume: %s.", resize.describe())
+    per_replica = per_replica_layers(model)
+    if per_replica and resize.replicas[0] != resize.replicas[1]:
+        logger.warning(
+            "BackupAndRestore: elastic resume from %d to %d replicas with %s: "
+            "batch statistics (BatchNormalization) and random masks (Dropout "
+            "and other random layers) are drawn per replica, so training "
+            "after the resize differs from an uninterrupted run on %d "
+            "replica(s) (alike in distribution, not equal).",
+            resize.replicas[0],
+            resize.replicas[1],
+            ", ".join(per_replica),
+            resize.replicas[0],
+        )
     factor = resize.learning_rate_factor
     if factor == 1:
         return
@@ -284,3 +340,16 @@ def apply(model, resize: Resize, accumulator, autoscale) -> None:
         rate * factor,
         factor,
     )
+
+
+def per_replica_layers(model) -> list:
+    """Names of the layers whose training output depends on the replica's
+    share of the batch: batch statistics (`BatchNormalization`) and random
+    draws (layers with a `seed_generator`: `Dropout`, `GaussianNoise`, ...)."""
+    found = []
+    for layer in _compat.sublayers(model):
+        if isinstance(layer, keras.layers.BatchNormalization) or hasattr(
+            layer, "seed_generator"
+        ):
+            found.append(layer.name)
+    return found

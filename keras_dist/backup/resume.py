@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_dist import _apply
 from keras_dist._compat import keras_src as _compat
 from keras_dist.backup import store, transfer
 from keras_dist.core import topology
@@ -82,14 +83,33 @@ def accumulation_state(model, configured) -> dict | None:
     }
 
 
+def pending_variables(model) -> list | None:
+    """The variables an accumulation's pending window applies to (their
+    positions in the optimizer's variable list), or `None` (no
+    accumulation, or no step traced)."""
+    updater = _apply.pending_updater(getattr(model, "optimizer", None))
+    return None if updater is None else updater.pending_variables
+
+
+def restore_pending_variables(model, positions) -> None:
+    """Gives a resumed accumulation the variables of its pending window:
+    `fit` may close the window at the end of an epoch before this process
+    has traced a step (a backup written at an epoch's last batch)."""
+    updater = _apply.pending_updater(getattr(model, "optimizer", None))
+    if updater is not None and positions is not None:
+        updater.restore_pending_variables(positions)
+
+
 def batch_size(model, batches: int) -> int | None:
     """Examples per step on this worker, from the loss tracker's count.
 
     Keras's `loss` metric counts the examples of the epoch (its `count`
     variable, summed over this worker's replicas here: no collective).
     Divided by the epoch's batches so far it is the batch size, when every
-    one was full; `None` when that is not known (no loss tracker, a short
-    last batch).
+    one was full: `BackupAndRestore` reads it after the epoch's first call
+    (a short batch can only end an epoch; after it, a count such as 16 * 4
+    + 6 = 70 over 5 batches would give a batch of 14 that never was).
+    `None` when that is not known (no loss tracker).
     """
     tracker = next((m for m in model.metrics if m.name == "loss"), None)
     count = getattr(tracker, "count", None)

@@ -63,6 +63,15 @@ class AccumulationCycle:
 
         Runs in replica context.
 
+        Sparse gradients (`tf.IndexedSlices`, an `Embedding`'s) are added
+        into dense accumulators: a window of several micro-steps applies
+        each row's sum, which is what a dense gradient gives. A window of
+        one micro-step (`k = 1`, or the first of a window that a change of
+        `k` closes at once) hands its rows to `apply` as they are, so the
+        optimizer's sparse update sees them as stock Keras does (Adam,
+        RMSprop and Adagrad square each occurrence of a repeated row
+        separately, keras-team/keras#19992).
+
         Args:
             grads: List of this replica's gradients (no `None`).
             variables: List of the matching variables (all known).
@@ -77,6 +86,8 @@ class AccumulationCycle:
                 `gradient * examples * replicas`): they are added as they are.
                 Defaults to `False`.
         """
+        variables = list(variables)
+        self.last_variables = variables
         accumulators = [self.accumulators[self.index(v)] for v in variables]
         # Accumulate the gradient of the *sum* of this replica's example
         # losses (the front ends scale the mean loss by 1 / R), and count the
@@ -94,16 +105,38 @@ class AccumulationCycle:
                 * weight
             )
         self.examples.assign_add(examples)
+        # This micro-step's sparse rows, for a window of one: their values
+        # and indices pass `merge_call` as tensors (one per replica).
+        sparse = {
+            position: (grad.values, grad.indices, grad.dense_shape)
+            for position, grad in enumerate(grads)
+            if isinstance(grad, tf.IndexedSlices) and not weighted
+        }
 
-        def cross_replica_update(strategy):
+        def cross_replica_update(strategy, sparse):
             self.micro_steps.assign_add(1)
             pending = self.pending + 1
 
-            def update():
+            def accumulated():
                 strategy.extended.call_for_each_replica(
                     self._apply_mean, args=(accumulators, variables, apply)
                 )
-                self.pending.assign(0)
+                return tf.constant(True)
+
+            def alone():
+                strategy.extended.call_for_each_replica(
+                    self._apply_with_rows,
+                    args=(accumulators, variables, apply, sparse),
+                )
+                return tf.constant(True)
+
+            def update():
+                if sparse:
+                    done = tf.cond(tf.equal(pending, 1), alone, accumulated)
+                else:
+                    done = accumulated()
+                with tf.control_dependencies([done]):
+                    self.pending.assign(0)
                 return tf.constant(True)
 
             def wait():
@@ -112,7 +145,39 @@ class AccumulationCycle:
 
             return tf.cond(pending >= self.steps, update, wait)
 
-        tf.distribute.get_replica_context().merge_call(cross_replica_update)
+        tf.distribute.get_replica_context().merge_call(
+            cross_replica_update, args=(sparse,)
+        )
+
+    def apply_pending(self, apply) -> None:
+        """Applies what was accumulated since the last update, if anything.
+
+        The mean over the accumulated examples, as a full window does:
+        `DistributedModel` calls it when an epoch's steps end, so that an
+        epoch whose micro-steps are not a multiple of `k` ends with an
+        update on its last, shorter window, as one batch `k` times larger
+        would end it with a shorter batch. Runs in replica context; the
+        decision (are micro-steps pending?) is the same on every replica.
+
+        Args:
+            apply: As in `accumulate`.
+        """
+        variables = getattr(self, "last_variables", None)
+        if variables is None:
+            return
+        accumulators = [self.accumulators[self.index(v)] for v in variables]
+
+        def cross_replica(strategy):
+            def update():
+                strategy.extended.call_for_each_replica(
+                    self._apply_mean, args=(accumulators, variables, apply)
+                )
+                self.pending.assign(0)
+                return tf.constant(True)
+
+            return tf.cond(self.pending > 0, update, lambda: tf.constant(False))
+
+        tf.distribute.get_replica_context().merge_call(cross_replica)
 
     def _apply_mean(self, accumulators, variables, apply):
         total = all_reduce(tf.identity(read(self.examples)))
@@ -121,6 +186,35 @@ class AccumulationCycle:
             for a in accumulators
         ]
         apply(grads, variables)
+        self._clear(accumulators)
+
+    def _apply_with_rows(self, accumulators, variables, apply, sparse):
+        """A window of one micro-step: its sparse gradients as rows."""
+        examples = tf.identity(read(self.examples))
+        total = all_reduce(examples)
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        grads = []
+        for position, accumulator in enumerate(accumulators):
+            if position in sparse:
+                values, indices, dense_shape = sparse[position]
+                # The weight a dense accumulator gives this replica's
+                # gradient: its share of the examples, times the replicas.
+                share = tf.math.divide_no_nan(examples * replicas, total)
+                grads.append(
+                    tf.IndexedSlices(
+                        values * tf.cast(share, values.dtype), indices, dense_shape
+                    )
+                )
+                continue
+            grads.append(
+                tf.math.divide_no_nan(
+                    tf.identity(read(accumulator)), tf.cast(total, accumulator.dtype)
+                )
+            )
+        apply(grads, variables)
+        self._clear(accumulators)
+
+    def _clear(self, accumulators):
         for accumulator in accumulators:
             accumulator.assign(tf.zeros_like(read(accumulator)))
         self.examples.assign(tf.zeros_like(read(self.examples)))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_dist.core.collectives import (
+    all_reduce,
     all_reduce_sum,
     branch_across,
+    is_sparse,
     replica_context,
 )
 from keras_dist.core.hook_types import DEFAULT_BUCKET_BYTES, CompressionStats
@@ -26,6 +28,10 @@ class _CastCompression(AllReduceHook):
 
     With one replica nothing crosses a wire: the gradients pass through
     unchanged (no cast, no precision lost) and the ratio is 1.0.
+
+    Sparse gradients (`tf.IndexedSlices`, an `Embedding`'s rows) keep their
+    rows: they are all-gathered at their own precision, as `NoCompression`
+    does, and counted at full size.
     """
 
     wire_dtype: tf.DType
@@ -36,6 +42,9 @@ class _CastCompression(AllReduceHook):
         # sent); read by `sent_bytes`, so `stats()` and the logged ratio say
         # 1.0 instead of claiming bytes saved on a wire that is not there.
         self._one_replica = False
+        # The variables whose gradients the last traced `reduce` got sparse
+        # (sent at full precision).
+        self._sparse = frozenset()
 
     def get_config(self) -> dict:
         return {"bucket_bytes": self.bucket_bytes}
@@ -51,34 +60,52 @@ class _CastCompression(AllReduceHook):
                 )
 
     def reduce(self, gradients, variables):
-        gradients, _ = self.prepare(gradients, variables)
+        gradients, indices = self.prepare(gradients, variables, keep_sparse=True)
         num_replicas = replica_context().num_replicas_in_sync
         self._one_replica = num_replicas == 1
+        self._sparse = frozenset(
+            index
+            for index, gradient in zip(indices, gradients)
+            if isinstance(gradient, tf.IndexedSlices)
+        )
         if self._one_replica:
             return list(gradients)
+        # Sparse gradients (an Embedding's rows) are all-gathered at their
+        # own precision, as `NoCompression` does: the optimizer then
+        # applies them as stock Keras would (a densified gradient changes
+        # Adam's and Adagrad's update of repeated rows).
+        dense = [i for i, g in enumerate(gradients) if not is_sparse(g)]
+        result = [None] * len(gradients)
+        for i, gradient in enumerate(gradients):
+            if is_sparse(gradient):
+                result[i] = all_reduce(gradient)
+        gradients_dense = [gradients[i] for i in dense]
         payload = []
-        for gradient in gradients:
+        for gradient in gradients_dense:
             wire = self.wire_dtype_for(gradient.dtype)
             if wire is None:
                 payload.append(gradient)
                 continue
-            if num_replicas > 1:
-                gradient = gradient / tf.cast(num_replicas, gradient.dtype)
+            gradient = gradient / tf.cast(num_replicas, gradient.dtype)
             payload.append(tf.cast(gradient, wire))
         summed = all_reduce_sum(payload, self.bucket_bytes)
-        result = []
-        for gradient, value in zip(gradients, summed):
+        reduced = []
+        for gradient, value in zip(gradients_dense, summed):
             if self.wire_dtype_for(gradient.dtype) is None:
-                result.append(value)
+                reduced.append(value)
                 continue
             value = tf.cast(value, gradient.dtype)
-            if num_replicas > 1:
-                value = value * tf.cast(num_replicas, gradient.dtype)
-            result.append(value)
-        checked = [i for i, g in enumerate(gradients) if self.range_checked(g.dtype)]
-        if not checked:
-            return result
-        return self._resend_if_overflowed(gradients, summed, result, checked)
+            reduced.append(value * tf.cast(num_replicas, gradient.dtype))
+        checked = [
+            i for i, g in enumerate(gradients_dense) if self.range_checked(g.dtype)
+        ]
+        if checked:
+            reduced = self._resend_if_overflowed(
+                gradients_dense, summed, reduced, checked
+            )
+        for i, value in zip(dense, reduced):
+            result[i] = value
+        return result
 
     def _resend_if_overflowed(self, gradients, summed, result, checked):
         """Sums the `checked` gradients again at full size if any wire sum
@@ -194,7 +221,7 @@ class _CastCompression(AllReduceHook):
             wire = self.wire_dtype_for(spec.dtype)
             sent += (
                 spec.nbytes
-                if wire is None
+                if wire is None or index in self._sparse
                 else spec.nbytes // spec.dtype.size * wire.size
             )
         return sent
@@ -226,7 +253,9 @@ class FP16(_CastCompression):
 
     With one replica (one device, no cluster) nothing is sent, so the hook
     passes the gradients through unchanged and reports a ratio of 1.0: a
-    script that uses it runs the same on a laptop and on a cluster.
+    script that uses it runs the same on a laptop and on a cluster. Sparse
+    gradients (an `Embedding`'s rows) are gathered at full precision, as
+    `NoCompression` does.
 
     Use it when the network, not compute, limits the step time (several
     machines on 1-10 Gbit/s Ethernet); on one machine it brought no

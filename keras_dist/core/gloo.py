@@ -114,7 +114,9 @@ def enable_if_requested(strategy) -> bool:
             gloo for a strategy with several devices per worker.
         ImportError: gloo is asked for and PyTorch is not installed.
     """
-    if requested_backend() != "gloo":
+    backend = requested_backend()
+    _check_every_worker_agrees(strategy, backend)
+    if backend != "gloo":
         return False
     local = local_replicas(strategy)
     if local != 1:
@@ -126,6 +128,48 @@ def enable_if_requested(strategy) -> bool:
         )
     use(strategy)
     return True
+
+
+# Seconds a worker waits for the others' backend choice at start-up (they
+# make it as they build the same strategy, right after the cluster met).
+AGREE_TIMEOUT_SECONDS = 120.0
+
+
+def _check_every_worker_agrees(strategy, backend: str) -> None:
+    """Refuses a cluster whose workers chose different backends.
+
+    A worker that sums through gloo while its peer sums through TensorFlow
+    would wait for a peer that never comes, and fail only after the
+    collective timeout with gloo's raw `DistStoreError`. Each worker
+    publishes its choice in TensorFlow's coordination service and reads the
+    others'.
+
+    Raises:
+        ValueError: another worker chose another backend; names both.
+    """
+    rank = tf_internal.worker_rank(strategy)
+    workers = strategy.num_replicas_in_sync // local_replicas(strategy)
+    key = f"{_KEY_PREFIX}backend/{tf_internal.collective_group_base(strategy)}/"
+    tf_internal.publish_key(f"{key}{rank}", backend)
+    for peer in range(workers):
+        if peer == rank:
+            continue
+        try:
+            theirs = tf_internal.read_key(
+                f"{key}{peer}", timeout_seconds=AGREE_TIMEOUT_SECONDS
+            )
+        except tf.errors.OpError:
+            # It did not say (an older keras_dist, or slow): the first
+            # collective will tell.
+            continue
+        if theirs != backend:
+            raise ValueError(
+                f"The workers disagree on {ENV_VAR}: worker {rank} (this one) "
+                f"sums through {backend!r}, worker {peer} through {theirs!r}. "
+                f"Received: {ENV_VAR}={os.environ.get(ENV_VAR, '')!r} here. Set "
+                "the same value for every task (`keras-dist launch` passes "
+                "its environment to all of them)."
+            )
 
 
 def use(strategy, enabled: bool = True) -> None:

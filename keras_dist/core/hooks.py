@@ -505,8 +505,8 @@ class AllReduceHook(tf.Module):
             keep_sparse: Bool. Return `tf.IndexedSlices` (the gradients of
                 embeddings and other gathers) as they are, checked, instead
                 of densifying them. Only a hook that reduces sparse
-                gradients itself sets it (`NoCompression`); compressing
-                hooks work on dense tensors. Defaults to `False`.
+                gradients itself sets it (`NoCompression`, the casts);
+                compressing hooks work on dense tensors. Defaults to `False`.
 
         Returns:
             A tuple `(gradients, indices)` of the gradients (dense tensors,

@@ -18,8 +18,10 @@ class NoCompression(AllReduceHook):
     `plan_buckets`). Sparse gradients (`tf.IndexedSlices`, from `Embedding`
     and other gathers) stay sparse, as in stock Keras: their rows and
     indices are all-gathered, in their place in that order, and the
-    optimizer applies a sparse update. The compressing hooks densify them
-    (they compress dense tensors); for a large vocabulary keep this hook.
+    optimizer applies a sparse update. `FP16` and `BF16` send them the same
+    way, at full precision; the other compressing hooks densify them (they
+    compress dense tensors), which also changes what Adam-like optimizers
+    make of a repeated row: for embeddings keep this hook or a cast.
 
     Args:
         bucket_bytes: Int or `None`. Bytes per collective (see

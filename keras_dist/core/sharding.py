@@ -209,9 +209,13 @@ def per_variable_norms(layout: ShardLayout, local_slice, local_segments):
     return tf.sqrt(collectives.all_reduce(local))
 
 
-def count_non_finite(local_slice):
-    """Non-finite entries over every replica's slice: an all-reduced int."""
-    local = tf.reduce_sum(
-        tf.cast(tf.logical_not(tf.math.is_finite(local_slice)), tf.int32)
+def count_non_finite(local_slice, others=()):
+    """Non-finite entries over every replica's slice (and `others`, tensors
+    this replica checks too): an all-reduced int."""
+    local = tf.add_n(
+        [
+            tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(t)), tf.int32))
+            for t in (local_slice, *others)
+        ]
     )
     return collectives.all_reduce(local)

@@ -28,6 +28,8 @@ import re
 import shlex
 import signal
 import subprocess
+import tempfile
+import time
 from collections.abc import Mapping
 
 from keras_dist._validation import check_int
@@ -47,8 +49,6 @@ EXIT_TOO_FEW_WORKERS = 69
 EXIT_DISCOVERY_FAILED = 1
 # How much of a failing discovery command's stderr goes into the message.
 _STDERR_TAIL = 500
-# Seconds to collect a stopped discovery command's output.
-_REAP_TIMEOUT = 5.0
 
 
 class DiscoveryError(Exception):
@@ -177,52 +177,88 @@ def discover_slots(
     """
     timeout = DISCOVER_TIMEOUT if timeout is None else timeout
     name = describe_discover(command)
-    try:
-        process = subprocess.Popen(
-            ["sh", "-c", command],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ if env is None else env),
-            start_new_session=os.name == "posix",
-        )
-    except OSError as error:
-        raise DiscoveryError(f"{name} could not be started: {error}.") from None
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(process)
+    # Files, not pipes: a background child the command leaves behind keeps
+    # a pipe open, and reading to its end would wait for that child.
+    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
         try:
-            out, _ = process.communicate(timeout=_REAP_TIMEOUT)
+            process = subprocess.Popen(
+                ["sh", "-c", command],
+                stdin=subprocess.DEVNULL,
+                stdout=out_file,
+                stderr=err_file,
+                env=dict(os.environ if env is None else env),
+                start_new_session=os.name == "posix",
+            )
+        except OSError as error:
+            raise DiscoveryError(f"{name} could not be started: {error}.") from None
+        try:
+            _wait_unreaped(process, timeout)
         except subprocess.TimeoutExpired:
-            # A child that left the group still holds the pipe: leave it.
-            out = ""
-        raise DiscoveryError(
-            f"{name} did not finish within {timeout:g} s and was stopped "
-            f"(it printed {out.strip()!r}). It must print the number of worker "
-            "slots available and exit."
-        ) from None
-    except BaseException:
-        # Ctrl-C or SIGTERM while it runs: it must not outlive the launcher.
+            _kill_group(process)
+            process.wait()
+            raise DiscoveryError(
+                f"{name} did not finish within {timeout:g} s and was stopped "
+                f"(it printed {_shown(_read(out_file).strip())}). It must print the "
+                "number of worker slots available and exit."
+            ) from None
+        except BaseException:
+            # Ctrl-C or SIGTERM while it runs: it must not outlive the launcher.
+            _kill_group(process)
+            process.wait()
+            raise
+        # What it left running in its group must not outlive it either
+        # (killed before the command is reaped: its group id is still its).
         _kill_group(process)
         process.wait()
-        raise
+        out, err = _read(out_file), _read(err_file)
     if process.returncode != 0:
-        stderr = err.strip()[-_STDERR_TAIL:]
         raise DiscoveryError(
             f"{name} failed with {process_lib.describe_exit(process.returncode)} "
-            f"(stdout {out.strip()!r}, "
-            f"stderr {stderr!r}). It must exit with status 0 after printing the "
-            "number of worker slots available."
+            f"(stdout {_shown(out.strip())}, stderr "
+            f"{_shown(err.strip()[-_STDERR_TAIL:])}). It must exit with status 0 "
+            "after printing the number of worker slots available."
         )
     text = out.strip()
     if not re.fullmatch(r"[0-9]+", text):
         raise DiscoveryError(
             f"{name} must print one integer >= 0, the number of worker slots "
-            f"available (e.g. `echo 4`). It printed: {out!r}."
+            f"available (e.g. `echo 4`). It printed: {_shown(out)}."
         )
     return int(text)
+
+
+# The most of a discovery command's output a message quotes.
+_SHOWN_CHARACTERS = 200
+
+
+def _read(handle) -> str:
+    handle.seek(0)
+    return handle.read().decode(errors="replace")
+
+
+def _shown(text: str) -> str:
+    """`text` quoted, cut to `_SHOWN_CHARACTERS` (saying how long it was)."""
+    if len(text) <= _SHOWN_CHARACTERS:
+        return repr(text)
+    return f"{text[:_SHOWN_CHARACTERS]!r}... ({len(text)} characters in all)"
+
+
+def _wait_unreaped(process: subprocess.Popen, timeout: float) -> None:
+    """Waits for `process` to exit without reaping it (POSIX), so that its
+    process id, which names its group, is not given to another process.
+
+    Raises:
+        subprocess.TimeoutExpired: it still runs after `timeout` seconds.
+    """
+    if os.name != "posix":
+        process.wait(timeout=timeout)
+        return
+    deadline = time.monotonic() + timeout
+    flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+    while os.waitid(os.P_PID, process.pid, flags) is None:
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(process.args, timeout)
+        time.sleep(0.02)
 
 
 def _kill_group(process: subprocess.Popen) -> None:

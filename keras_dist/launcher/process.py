@@ -14,6 +14,7 @@ tasks without paying for them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -474,6 +475,17 @@ def _supervise(
 
 
 _NOT_INSTALLED = object()
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """Inside, SIGTERM to this process (main thread) raises `Terminated`, so
+    that what it is waiting for can be stopped first."""
+    previous = _install_sigterm_handler()
+    try:
+        yield
+    finally:
+        _restore_sigterm_handler(previous)
 
 
 def _install_sigterm_handler():

@@ -305,10 +305,15 @@ def launch(
         previous = size
         try:
             # Asked once the failed attempt is stopped: its workers' slots
-            # are free again, or gone for good.
-            size, reason = _size_of_attempt(sizing, discover, env, err, failed)
+            # are free again, or gone for good. SIGTERM meanwhile stops the
+            # discovery command before the launcher exits.
+            with process_lib.sigterm_raises():
+                size, reason = _size_of_attempt(sizing, discover, env, err, failed)
         except _Stop as stop:
             return stop.status
+        except process_lib.Terminated:
+            say(err, "received SIGTERM while asking for worker slots; stopping.")
+            return process_lib.EXIT_TERMINATED
         if attempt:
             resized = (
                 f" with {size} workers instead of {previous}: {reason}"

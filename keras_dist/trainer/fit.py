@@ -104,7 +104,12 @@ class FitMixin:
             return _parameter_server.evaluate(self, **values)
         values = _bind(keras.Model.evaluate, args, kwargs)
         values["x"] = inputs.own_batches(values.get("x"))
-        return super().evaluate(**values)
+        settings = self._keras_dist
+        evaluating, settings.evaluating = settings.evaluating, True
+        try:
+            return super().evaluate(**values)
+        finally:
+            settings.evaluating = evaluating
 
     def predict(self, *args, **kwargs):
         if _parameter_server.is_parameter_server(self.distribute_strategy):

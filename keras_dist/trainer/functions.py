@@ -8,6 +8,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from keras_dist import _apply
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
 from keras_dist.core import collectives, topology
@@ -34,7 +35,80 @@ class FunctionsMixin:
             # `apply_gradients` builds the hook there.
             self.build_all_reduce_hook()
         self.train_function = self._make_distributed_function(self.train_step)
+        # Made again with the train function: the hook and the optimizer
+        # may have changed (a new `compile`).
+        self._keras_dist.pending_function = None
+        self._warn_of_micro_batch_statistics()
         return self.train_function
+
+    def _warn_of_micro_batch_statistics(self):
+        """Says that BatchNormalization sees micro-batches under accumulation.
+
+        Its statistics (and moving averages) are those of each micro-batch,
+        so the run differs from one batch `k` times larger, where the
+        gradients alone agree.
+        """
+        updater = _apply.pending_updater(getattr(self, "optimizer", None))
+        steps = 1 if updater is None else int(updater.accumulation_steps)
+        if steps <= 1:
+            return
+        layers = [
+            layer.name
+            for layer in _compat.sublayers(self)
+            if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+        ]
+        if layers:
+            warnings.warn(
+                f"keras_dist: with accumulation_steps={steps}, the "
+                f"BatchNormalization layers {layers} compute their batch "
+                "statistics (and update their moving averages) on each "
+                "micro-batch, not on the examples of a whole update: training "
+                f"differs from one batch {steps} times larger (the gradients "
+                "agree, the statistics do not).",
+                stacklevel=3,
+            )
+
+    def _after_steps(self):
+        """Ends an epoch of `fit`: applies an accumulation's pending window.
+
+        Keras's `fit` calls it (`_compat.EpochStepsEnd`) when an epoch's
+        steps end, before validation and `on_epoch_end`; `evaluate` calls
+        it too, and nothing happens then. An epoch whose micro-steps are not
+        a multiple of the accumulation steps ends with an update on its
+        last, shorter window, as one batch `k` times larger would end it
+        with a shorter batch.
+        """
+        settings = self._keras_dist
+        if not settings.fitting or settings.evaluating:
+            return
+        updater = _apply.pending_updater(getattr(self, "optimizer", None))
+        if updater is None or not updater.built:
+            return
+        if settings.pending_function is None:
+            settings.pending_function = self._make_pending_function(updater)
+        settings.pending_function()
+
+    def _make_pending_function(self, updater):
+        strategy = self.distribute_strategy
+        hook = self._training_hook()
+        non_finite = self._keras_dist.non_finite
+        if non_finite == "raise" and self.jit_compile:
+            non_finite = "apply"
+        log_skips = not self.jit_compile
+
+        def step():
+            updater.apply_pending(
+                hook, non_finite_gradients=non_finite, log_skips=log_skips
+            )
+
+        def apply_pending():
+            # Traced alike on every worker, at the same point of `fit`.
+            with collectives.stable_instance_keys():
+                strategy.run(step)
+
+        if self.run_eagerly:
+            return apply_pending
+        return tf.function(apply_pending)
 
     def make_test_function(self, force=False):
         if self.test_function is not None and not force:

@@ -35,18 +35,28 @@ class TrainerState:
         user_hook: The hook the user gave, or `None` (saved in the config).
         non_finite: String, `compile`'s `non_finite_gradients`.
         fitting: Bool. Whether the model's `fit` is running.
+        evaluating: Bool. Whether its `evaluate` is (also inside `fit`).
         saveable: The `HookStateSaveable` of `all_reduce_hook_state`.
+        pending_function: The function that applies an accumulation's
+            pending micro-steps at the end of an epoch, once made.
     """
 
     hook: object = None
     user_hook: object = None
     non_finite: str = "skip"
     fitting: bool = False
+    evaluating: bool = False
     saveable: object = None
+    pending_function: object = None
 
 
 class DistributedTrainerMixin(
-    FitMixin, FunctionsMixin, StepMixin, SavingMixin, _compat.MultiWorkerBuildFix
+    FitMixin,
+    FunctionsMixin,
+    StepMixin,
+    SavingMixin,
+    _compat.MultiWorkerBuildFix,
+    _compat.EpochStepsEnd,
 ):
     """The training logic of `DistributedModel`, over any Keras TF trainer.
 
