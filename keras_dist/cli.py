@@ -121,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 collective_timeout=args.collective_timeout,
                 tf_logs=args.tf_logs,
                 discover=args.discover,
+                log_dir=args.log_dir,
+                only_chief=args.only_chief,
             )
         if trailing is not None:
             args.subparser.error(
@@ -192,6 +194,7 @@ def _build_parser() -> argparse.ArgumentParser:
         usage=(
             f"{PROG} launch --workers N|MIN:MAX [--discover COMMAND] [--ps M] "
             "[--chief] [--host HOST] [--grace-period SECONDS] [--max-restarts N] "
+            "[--log-dir DIR] [--only-chief] "
             "[--collective-timeout SECONDS] [--tf-logs] -- COMMAND [ARG ...]"
         ),
     )
@@ -254,13 +257,32 @@ def _build_parser() -> argparse.ArgumentParser:
     launch_parser.add_argument(
         "--max-restarts",
         type=_int_at_least(0),
-        default=0,
+        default=None,
         metavar="N",
         help=(
             "start the whole job again when a task fails, up to N times; "
             "tasks find the attempt number in KERAS_DIST_RESTART; with --ps "
             "and --chief: restart a failed worker in place, up to N times in "
-            "all (default: 0)"
+            "all (default: 0; 3 with --workers MIN:MAX, which resizes only "
+            "when it restarts)"
+        ),
+    )
+    launch_parser.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help=(
+            "keep every task's whole output in DIR/attempt-N/TASK.log "
+            "(default: a new folder in the temporary directory, named in the "
+            "report of a failure)"
+        ),
+    )
+    launch_parser.add_argument(
+        "--only-chief",
+        action="store_true",
+        help=(
+            "show only the chief's output (worker:0 without --chief); the "
+            "others' lines go to their log files, their errors are shown"
         ),
     )
     launch_parser.add_argument(

@@ -67,7 +67,7 @@ def train(strategy, phase, steps, out, sampler):
     sampler.labels = {"phase": phase, "step": 0}
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=callbacks)
     # The phase's last sample: the steps it ran.
-    sampler.labels = {"phase": phase, "step": int(model.optimizer.iterations)}
+    sampler.labels = {"phase": phase, "step": int(model.optimizer.iterations.numpy())}
     sampler.sample()
 
 

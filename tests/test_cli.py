@@ -328,7 +328,7 @@ def test_broken_pipe_keeps_the_exit_code_of_a_failing_task(tmp_path):
 
     assert first.endswith("first\n")
     assert returncode == 5, err
-    assert "task worker:1 failed with exit code 5" in err
+    assert "worker:1 failed with exit code 5" in err
     assert "Traceback" not in err, err
 
 

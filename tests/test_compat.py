@@ -18,6 +18,7 @@ import keras_dist
 from keras_dist import state
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
+from keras_dist.core import collectives
 
 
 def test_versions_are_the_tested_ones():
@@ -348,6 +349,8 @@ def test_stable_instance_keys_stop_drawing_keys_after_the_first_call():
     # keeps it. An all-reduce whose shape is known only at run time keeps
     # TensorFlow's keys.
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    # Keys of its own (another strategy of this process used the same).
+    collectives.own(strategy)
     tf_internal.own_launchers(strategy, 8)
     launcher = strategy.extended._collective_ops._launchers[0]
     keys = strategy.extended._collective_keys

@@ -132,11 +132,11 @@ def test_kill_inside_a_save_then_sigterm_resume_exactly(tmp_path, references):
     assert status == 0, output[-3000:]
     assert "killed inside the save" in output
     assert "restart 1 of 2: worker:0 failed with exit code 137" in output
-    assert "fp16/backup-00000001 at epoch 0, after 4 batches" in output
-    assert "preempted (SIGTERM); backup written at epoch 0, batch 6" in output
+    assert "fp16/backup-00000001 in epoch 1, after 4 batches" in output
+    assert "preempted (SIGTERM); backup written in epoch 1, after batch 7" in output
     # Both workers exit 75; the launcher names the first it saw.
     assert "was preempted (status 75" in output
-    assert "at epoch 0, after 7 batches of it" in output
+    assert "in epoch 1, after 7 batches of it" in output
     assert_same_run(tmp_path / "out" / "fp16", references / "fp16")
 
 
@@ -159,7 +159,7 @@ def test_kill_inside_a_background_write_resumes_exactly(tmp_path, references):
     assert status == 0, output[-3000:]
     assert "killed inside the save on keras_dist-backup-writer" in output
     assert "restart 1 of 1: worker:0 failed with exit code 137" in output
-    assert "fp16/backup-00000001 at epoch 0, after 4 batches" in output
+    assert "fp16/backup-00000001 in epoch 1, after 4 batches" in output
     assert_same_run(tmp_path / "out" / "fp16", references / "fp16")
 
 
@@ -172,9 +172,17 @@ def test_sigkill_mid_accumulation_powersgd_resumes_exactly(tmp_path, references)
         tmp_path, "--config", "powersgd", "--hurt", "0:kill:7", max_restarts=1
     )
     assert status == 0, output[-3000:]
+    # The launcher's report: the lost task, how, its last lines and log,
+    # and what the restart resumes from.
+    assert "keras-dist: worker:1 lost after" in output
+    assert ": worker:1 was killed by SIGKILL." in output
+    assert "its last lines (all of them: " in output
     assert "restart 1 of 1: worker:1 failed with exit code 137" in output
     assert "KERAS_DIST_RESTART=1" in output
-    assert "powersgd/backup-00000001 at epoch 0, after 4 batches" in output
+    assert "from the backup of epoch 1, 4 batches into it" in output
+    assert "powersgd/backup-00000001 in epoch 1, after 4 batches" in output
+    # worker:0's collective-abort traceback is one line.
+    assert "Traceback (most recent call last)" not in output
     assert_same_run(tmp_path / "out" / "powersgd", references / "powersgd")
 
 
@@ -201,7 +209,7 @@ def test_gloo_backend_sigkill_resumes_exactly_as_tensorflow_collectives(
     )
     assert status == 0, output[-3000:]
     assert "restart 1 of 1: worker:1 failed with exit code 137" in output
-    assert "powersgd/backup-00000001 at epoch 0, after 4 batches" in output
+    assert "powersgd/backup-00000001 in epoch 1, after 4 batches" in output
     assert_same_run(tmp_path / "out" / "powersgd", references / "powersgd")
 
 
@@ -231,10 +239,11 @@ def test_hung_peer_fails_the_survivor_within_the_collective_timeout(tmp_path):
         tmp_path, "--hurt", "0:hang:3", collective_timeout=timeout
     )
     assert status != 0
-    assert "Training stopped on worker:0: a collective timed out" in output
+    assert "Training stopped on worker:0: a peer stopped taking part" in output
     # keras_dist's watchdog, not TensorFlow's per-collective timeout.
     assert "waited 15 s in one call into TensorFlow" in output
-    assert "task worker:0 failed with exit code 1" in output
+    assert "keras-dist: worker:1 hung after" in output
+    assert "still running: worker:1." in output
     # Start-up (~20-40 s here) + 3 batches + the timeout, with a generous
     # margin for a loaded 2-core machine; without the timeout: 600 s.
     assert seconds < timeout + 150, seconds
@@ -250,8 +259,9 @@ def test_stopped_peer_fails_the_survivor_long_before_the_timeout(tmp_path):
     # launcher then stops the job, the frozen task with SIGKILL.
     status, output, seconds = launch(tmp_path, "--hurt", "0:stop:3")
     assert status != 0
-    assert "Training stopped on worker:0" in output
-    assert "stopped sending heartbeats" in output
+    assert "Training stopped on worker:0: lost worker:1: it stopped sending" in output
+    assert "keras-dist: worker:1 lost after" in output
+    assert ": worker:1 is stopped (SIGSTOP)." in output
     # Start-up (~20-40 s) + 3 batches + ~10 s, with a margin for a loaded
     # machine; far below the 300 s timeout.
     assert seconds < 200, seconds

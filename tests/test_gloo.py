@@ -231,3 +231,17 @@ def test_a_lost_peer_fails_the_gloo_sum(how):
         assert 4 < outcome["seconds"] < 60, outcome
     else:
         assert outcome["seconds"] < 60, outcome
+
+
+@pytest.mark.multiworker
+def test_workers_that_disagree_on_the_backend_are_told_at_start_up():
+    # Once they failed only after the collective timeout, with gloo's raw
+    # DistStoreError.
+    pytest.importorskip("torch", reason="the gloo backend needs PyTorch")
+    errors = run_workers(workers.disagreeing_backends, num_workers=2, timeout=240)
+    assert "worker 0 (this one) sums through 'gloo', worker 1 through" in errors[0]
+    assert (
+        "worker 1 (this one) sums through 'tensorflow', worker 0 through" in (errors[1])
+    )
+    for error in errors:
+        assert "The workers disagree on KERAS_DIST_COLLECTIVES" in error

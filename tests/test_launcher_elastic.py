@@ -198,13 +198,13 @@ def test_a_restart_runs_on_the_slots_left(tmp_path, capsys, slots_after):
         assert (
             f"keras-dist: {failure}; starting the whole job again with 3 workers "
             f"instead of 4: --discover {shlex.quote(discover)} reports 3 slot(s) "
-            "(KERAS_DIST_RESTART=1)."
+            "(KERAS_DIST_RESTART=1), from the start (no backup written)."
         ) in err
     else:
         # The same size: the restart is announced as without --discover.
         assert (
             f"keras-dist: {failure}; starting the whole job again "
-            "(KERAS_DIST_RESTART=1)."
+            "(KERAS_DIST_RESTART=1), from the start (no backup written)."
         ) in err
     for index in range(size):
         assert f"attempt 1 workers {size} range 3:4" in task_lines(

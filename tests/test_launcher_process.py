@@ -11,6 +11,7 @@ import time
 import pytest
 from helpers import run_python, wait_gone
 
+from keras_dist.launcher import output as output_lib
 from keras_dist.launcher import process as process_lib
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="process groups")
@@ -61,7 +62,7 @@ def test_start_raises_os_error_for_a_missing_program():
 
 def test_prefixed_output_copies_whole_lines_with_the_task_name():
     stream = io.StringIO()
-    output = process_lib.PrefixedOutput(stream)
+    output = output_lib.TaskOutput(stream)
     process = process_lib.start(
         python("""
             import sys
@@ -85,7 +86,7 @@ def test_prefixed_output_drops_lines_once_the_reader_is_gone():
     read_end, write_end = os.pipe()
     os.close(read_end)
     with open(write_end, "w") as stream:
-        output = process_lib.PrefixedOutput(stream)
+        output = output_lib.TaskOutput(stream)
         process = process_lib.start(
             python("""
                 for line in range(10000):

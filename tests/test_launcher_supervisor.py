@@ -204,8 +204,9 @@ def test_a_worker_that_finishes_early_is_not_blamed(tmp_path, capsys):
 
     err = capsys.readouterr().err
     assert status == 4
-    assert "task worker:1 failed with exit code 4 (worker:0 had already exited" in err
-    assert "task worker:0 failed" not in err
+    assert "worker:1 failed with exit code 4 after" in err
+    assert "worker:0 had already exited with status 0: a task that leaves early" in err
+    assert "worker:0 failed" not in err
 
 
 @pytest.mark.parametrize(

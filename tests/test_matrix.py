@@ -18,8 +18,10 @@ import os
 import re
 
 import pytest
-from diffmatrix import cases, runner
+from diffmatrix import cases, report, runner
 from diffmatrix.axes import Case
+
+import keras_dist
 
 SELECTED = cases.selected()
 
@@ -54,9 +56,37 @@ def test_case(case):
     check(case, outcome)
 
 
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_multi_worker_sample(tmp_path):
+    sample = cases.multi_worker_sample()
+    results = keras_dist.testing.run_workers(
+        runner.run_in_worker,
+        num_workers=2,
+        args=([c.id for c in sample], str(tmp_path)),
+        timeout=1200,
+    )
+    for worker, outcomes in enumerate(results):
+        for case, outcome in zip(sample, outcomes, strict=True):
+            outcome = runner.Outcome(**outcome)
+            if worker == 0:
+                record(outcome)
+            check(case, outcome)
+
+
 def test_the_covering_holds_every_pair():
     every = cases.product()
     chosen = cases.all_pairs(every)
     wanted = set().union(*(cases._pairs(c) for c in every))
     assert set().union(*(cases._pairs(c) for c in chosen)) == wanted
     assert len(chosen) < len(every) / 20
+
+
+def test_the_published_matrix_lists_these_cases():
+    # docs/matrix.md is written from a run (tests/diffmatrix/report.py);
+    # its cases and what each must show are the suite's.
+    rows = report.published_rows()
+    expected = [*cases.selected(), *cases.multi_worker_sample()]
+    assert [row[:5] for row in rows] == [list(c.id.split("-")) for c in expected]
+    assert [row[5] for row in rows] == [report.expected_text(c) for c in expected]
+    assert all(row[6] != "not run" for row in rows)

@@ -422,3 +422,30 @@ def test_layout_reads_a_replicas_slice_without_the_whole_vector(replicas):
             layout.local(numbers, tf.constant(replica)).numpy(),
             numbers[replica * layout.slice_size :][: layout.slice_size],
         )
+
+
+class ScaledByNorm(keras.optimizers.SGD):
+    """LARS-like: the step of an element reads its whole variable's norm."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        scale = 1.0 / (1.0 + keras.ops.norm(variable))
+        variable.assign_sub(gradient * learning_rate * scale)
+
+
+class ElementwiseSGD(keras.optimizers.SGD):
+    """Its own update rule, declared elementwise."""
+
+    elementwise = True
+
+    def update_step(self, gradient, variable, learning_rate):
+        variable.assign_sub(gradient * learning_rate)
+
+
+def test_a_subclass_with_its_own_update_rule_must_say_it_is_elementwise():
+    with pytest.raises(
+        ValueError, match=r"ScaledByNorm.*own update_step.*elementwise = True"
+    ):
+        keras_dist.ShardedOptimizer(ScaledByNorm(0.1))
+    keras_dist.ShardedOptimizer(ElementwiseSGD(0.1))
+    # A subclass that only changes defaults keeps its base's rule.
+    keras_dist.ShardedOptimizer(type("Tuned", (keras.optimizers.Adam,), {})(0.1))

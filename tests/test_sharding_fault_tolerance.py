@@ -82,7 +82,7 @@ def test_sigkill_mid_accumulation_resumes_sharded_adam_exactly(
     assert "hurting myself: kill" in output
     assert "restart 1 of 1: worker:1 failed with exit code 137" in output
     # Attempt 1 resumed from the backup after batch 4 (of 7 run).
-    assert f"{config}/backup-00000001 at epoch 0, after 4 batches" in output
+    assert f"{config}/backup-00000001 in epoch 1, after 4 batches" in output
     got, reference = tmp_path / "out" / config, references / config
     assert max_abs_diff(weights(got), weights(reference)) <= 1e-6
     resumed, uninterrupted = summary(got), summary(reference)

@@ -229,3 +229,20 @@ def strategy_with_communication_options():
         watchdog.timeout_of(strategy),
         options.timeout_seconds,
     )
+
+
+def disagreeing_backends():
+    """Worker 0 asks for the gloo backend, worker 1 for TensorFlow's: each
+    returns the error `auto_strategy` gives, or `None`."""
+    import json
+    import os
+
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    os.environ["KERAS_DIST_COLLECTIVES"] = "gloo" if index == 0 else "tensorflow"
+    import keras_dist
+
+    try:
+        keras_dist.auto_strategy()
+    except ValueError as error:
+        return str(error)
+    return None

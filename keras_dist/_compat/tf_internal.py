@@ -7,7 +7,6 @@ Keras 3 touches are in `keras_src.py`. `tests/test_compat.py` pins each.
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
@@ -113,7 +112,10 @@ def rekey_collectives(strategy, base: int) -> bool:
 # shape known only at run time, a user's own function) keeps TensorFlow's
 # keys.
 
-_stable_keys = threading.local()
+# The graphs traced under `stable_instance_keys` carry this attribute: a
+# mark on the graph, not on the thread, since `MirroredStrategy` traces
+# each replica's ops into the same graph from a thread of its own.
+_STABLE_KEYS_MARK = "_keras_dist_stable_instance_keys"
 
 
 @contextlib.contextmanager
@@ -122,14 +124,20 @@ def stable_instance_keys():
 
     For functions every worker traces the same way, in the same order (not
     for one whose tracing follows the shape of its input, which can differ
-    between workers at a short last batch).
+    between workers at a short last batch). Only what is traced into the
+    current function graph (and functions and control flow inside it) is
+    affected; eagerly, nothing is.
     """
-    previous = getattr(_stable_keys, "on", False)
-    _stable_keys.on = True
+    graph = _function_graph()
+    if graph is None:
+        yield
+        return
+    previous = getattr(graph, _STABLE_KEYS_MARK, False)
+    setattr(graph, _STABLE_KEYS_MARK, True)
     try:
         yield
     finally:
-        _stable_keys.on = previous
+        setattr(graph, _STABLE_KEYS_MARK, previous)
 
 
 class _FirstCallKey:
@@ -161,11 +169,14 @@ def _function_graph():
 
 def _keeps_key(tensor) -> bool:
     """Whether a collective of `tensor` traced now keeps its instance key."""
-    return (
-        getattr(_stable_keys, "on", False)
-        and tensor.shape.is_fully_defined()
-        and _function_graph() is not None
-    )
+    if not tensor.shape.is_fully_defined():
+        return False
+    graph = _function_graph()
+    while graph is not None:
+        if getattr(graph, _STABLE_KEYS_MARK, False):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 def _instance_key(launcher, tensor):

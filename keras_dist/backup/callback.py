@@ -21,6 +21,7 @@ from keras_dist.backup import manifest as manifest_lib
 from keras_dist.backup import resume as resume_lib
 from keras_dist.backup.writer import BackgroundWriter
 from keras_dist.core import collectives, topology
+from keras_dist.launcher import attempts
 from keras_dist.launcher.process import EXIT_PREEMPTED
 from keras_dist.optimizers import check_one_accumulator
 
@@ -459,10 +460,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         if preempted is not None:
             self._writer.wait()
             logger.warning(
-                "BackupAndRestore: preempted (SIGTERM); backup written at epoch "
-                "%d, batch %d. Exiting with status %d for a restart.",
-                pending["epoch"],
-                preempted,
+                "BackupAndRestore: preempted (SIGTERM); backup written in epoch "
+                "%d, after batch %d. Exiting with status %d for a restart.",
+                pending["epoch"] + 1,
+                preempted + 1,
                 EXIT_PREEMPTED,
             )
             self._restore_sigterm_handler()
@@ -504,7 +505,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             logger.info(
                 "BackupAndRestore: writing the backup of epoch %d, %d calls into "
                 "it, in the background.",
-                epoch,
+                epoch + 1,
                 calls,
             )
             self._writer.submit(self._write, inventory, snapshot, manifest, self._owner)
@@ -515,10 +516,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         values = transfer.materialize(snapshot)
         manifest = dict(manifest, variables=manifest_lib.describe(inventory, values))
         name = store.write(self.backup_dir, values, manifest, owner=owner)
+        attempts.note_backup(
+            files.join(self.backup_dir, name),
+            manifest["epoch"],
+            manifest["calls"] * manifest["steps_per_execution"],
+        )
         logger.info(
             "BackupAndRestore: wrote %s (epoch %d, %d calls into it).",
             files.join(self.backup_dir, name),
-            manifest["epoch"],
+            manifest["epoch"] + 1,
             manifest["calls"],
         )
 
@@ -567,9 +573,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._full_batch = resume.manifest.get("batch_size")
         resume.restored = True
         logger.warning(
-            "BackupAndRestore: resumed from %s at epoch %d, after %d batches of it.",
+            "BackupAndRestore: resumed from %s in epoch %d, after %d batches of it.",
             resume.path,
-            resume.epoch,
+            resume.epoch + 1,
             resume.calls * self._spx,
         )
         if resume.calls or resume.position:

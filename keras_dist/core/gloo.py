@@ -42,6 +42,7 @@ default. PyTorch is needed only in the workers that use the backend
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import sys
 import threading
@@ -130,6 +131,7 @@ def enable_if_requested(strategy) -> bool:
     return True
 
 
+_AGREEMENTS = itertools.count()
 # Seconds a worker waits for the others' backend choice at start-up (they
 # make it as they build the same strategy, right after the cluster met).
 AGREE_TIMEOUT_SECONDS = 120.0
@@ -149,7 +151,9 @@ def _check_every_worker_agrees(strategy, backend: str) -> None:
     """
     rank = tf_internal.worker_rank(strategy)
     workers = strategy.num_replicas_in_sync // local_replicas(strategy)
-    key = f"{_KEY_PREFIX}backend/{tf_internal.collective_group_base(strategy)}/"
+    # One key per multi-worker strategy of this process (every worker
+    # builds its strategies in the same order; keys are set only once).
+    key = f"{_KEY_PREFIX}backend/{next(_AGREEMENTS)}/"
     tf_internal.publish_key(f"{key}{rank}", backend)
     for peer in range(workers):
         if peer == rank:

@@ -115,7 +115,9 @@ class _Watchdog:
             "the timeout). This process's collectives are aborted so that "
             "the job stops and can be restarted"
         )
-        logger.error("%s.", message)
+        # The step that waited fails with this message; the log line is for
+        # a process whose waiting call was not a step (a custom loop).
+        logger.info("%s.", message)
         self.aborted = message
         tf_internal.abort_collectives(message)
 

@@ -20,11 +20,12 @@ import errno
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
+
+from keras_dist.launcher import output as output_lib
 
 # The folder that holds the `keras_dist` package (this file is
 # keras_dist/launcher/process.py): put first on a child's PYTHONPATH, this very
@@ -136,79 +137,6 @@ def describe_start_error(command: Sequence[str], error: OSError, count: int) -> 
     return f"cannot start {' '.join(command)!r}: {error}."
 
 
-class PrefixedOutput:
-    """Writes the lines of several tasks to one text stream, each prefixed.
-
-    Lines are written whole (one lock) and flushed one by one. When the
-    reader of `stream` goes away (`keras-dist launch ... | head -1`), the
-    output is dropped from then on while the tasks keep running: their
-    output is still read, so they never block on a full pipe, and whether
-    they succeed does not depend on who reads the log.
-
-    Args:
-        stream: Text stream. Where the lines go.
-        keep: Callable or `None`. Called with each line (without its
-            prefix); a line it returns `False` for is dropped (the
-            launcher's quiet mode drops TensorFlow's native log lines this
-            way). `None` keeps every line. Defaults to `None`.
-    """
-
-    def __init__(self, stream: IO[str], keep: Callable[[str], bool] | None = None):
-        self.stream = stream
-        self.keep = keep
-        self.broken = False
-        self._lock = threading.Lock()
-
-    def write_line(self, prefix: str, line: str) -> None:
-        if self.keep is not None and not self.keep(line):
-            return
-        with self._lock:
-            if self.broken:
-                return
-            try:
-                self.stream.write(prefix + line + "\n")
-                self.stream.flush()
-            except BrokenPipeError:
-                self.broken = True
-                self._silence_stream()
-
-    def follow(self, task: Task) -> threading.Thread:
-        """Starts (and returns) the daemon thread copying `task`'s output here."""
-        thread = threading.Thread(
-            target=self._pump,
-            args=(task.process.stdout, f"[{task.name}] "),
-            name=f"keras-dist-{task.name}",
-            daemon=True,
-        )
-        thread.start()
-        return thread
-
-    def _pump(self, pipe, prefix: str) -> None:
-        try:
-            for raw in iter(pipe.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-                self.write_line(prefix, line)
-        finally:
-            pipe.close()
-
-    def _silence_stream(self) -> None:
-        # The unwritten rest stays buffered in `sys.stdout`, and flushing it
-        # at interpreter exit would raise again ("Exception ignored ...
-        # BrokenPipeError"). Python's documented fix: point the descriptor
-        # at /dev/null.
-        if self.stream is not sys.stdout:
-            return
-        try:
-            descriptor = self.stream.fileno()
-        except (AttributeError, OSError, ValueError):
-            return
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, descriptor)
-        finally:
-            os.close(devnull)
-
-
 def wait_any(
     processes: Sequence[subprocess.Popen], timeout: float | None = None
 ) -> subprocess.Popen | None:
@@ -296,7 +224,7 @@ def kill(processes: Sequence[subprocess.Popen]) -> None:
 
 def run_tasks(
     specs: Sequence[TaskSpec],
-    out: IO[str],
+    out: IO[str] | output_lib.TaskOutput,
     say: Callable[[str], None],
     grace_period: float,
     coordinator: str | None = None,
@@ -304,6 +232,7 @@ def run_tasks(
     replaceable: Sequence[str] = (),
     restarts: int = 0,
     keep_line: Callable[[str], bool] | None = None,
+    report: Callable | None = None,
 ) -> int:
     """Starts every task, streams its prefixed output, and supervises them.
 
@@ -315,7 +244,9 @@ def run_tasks(
 
     Args:
         specs: Sequence of `TaskSpec`. The tasks.
-        out: Text stream. Where the prefixed task output goes.
+        out: Text stream (where the prefixed task output goes), or a
+            `keras_dist.launcher.output.TaskOutput` (which also keeps log
+            files and records).
         say: Callable. Reports a line about the tasks (to the user).
         grace_period: Float. Seconds between SIGTERM and SIGKILL.
         coordinator: String or `None`. Name of the task whose success ends
@@ -330,7 +261,12 @@ def run_tasks(
         restarts: Int. How many in-place restarts of `replaceable` tasks the
             job may use in all. Defaults to `0`.
         keep_line: Callable or `None`. Which output lines to write (see
-            `PrefixedOutput`); `None` writes every line. Defaults to `None`.
+            `TaskOutput`) when `out` is a stream; `None` writes every line.
+            Defaults to `None`.
+        report: Callable or `None`. Called as `report(failed, tasks, code)`
+            when a task fails and the job stops, before the others are
+            stopped (their state still tells why): it says what happened,
+            instead of the one line "task ... failed". Defaults to `None`.
 
     Returns:
         `0` on success; else the exit status of the first task that failed,
@@ -338,7 +274,11 @@ def run_tasks(
         no resources for another task, `130` after Ctrl-C, `143` after
         SIGTERM.
     """
-    output = PrefixedOutput(out, keep=keep_line)
+    output = (
+        out
+        if isinstance(out, output_lib.TaskOutput)
+        else output_lib.TaskOutput(out, keep=keep_line)
+    )
     tasks: list[Task] = []
     previous_sigterm = _install_sigterm_handler()
     try:
@@ -368,6 +308,7 @@ def run_tasks(
             replaceable=set(replaceable),
             restarts=restarts,
             restart=restart,
+            report=report,
         )
     except KeyboardInterrupt:
         say("interrupted; stopping all tasks.")
@@ -393,6 +334,7 @@ def _supervise(
     replaceable=frozenset(),
     restarts=0,
     restart=None,
+    report=None,
 ) -> int:
     """Waits for the tasks that do not serve; returns the exit status."""
     pending = [task for task in tasks if not task.spec.serves]
@@ -449,6 +391,9 @@ def _supervise(
                 f"task {task.name} failed with {describe_exit(code)} and no "
                 "worker is left; stopping the other tasks."
             )
+            return exit_status(code)
+        if code != 0 and report is not None:
+            report(task, tasks, code)
             return exit_status(code)
         if code != 0:
             note = ""

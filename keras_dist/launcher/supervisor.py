@@ -26,17 +26,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from keras_dist import cluster as cluster_lib
 from keras_dist._validation import check_bool, check_int, check_real
+from keras_dist.launcher import attempts as attempts_lib
 from keras_dist.launcher import elastic as elastic_lib
+from keras_dist.launcher import output as output_lib
 from keras_dist.launcher import process as process_lib
+from keras_dist.launcher import report as report_lib
 from keras_dist.launcher import tf_logs as tf_logs_lib
 
 PROG = "keras-dist"
-TASK_ENV_VAR = "KERAS_DIST_TASK"
+TASK_ENV_VAR = attempts_lib.TASK_ENV_VAR
 # The attempt number (0 for the first start) in every task's environment.
 RESTART_ENV_VAR = "KERAS_DIST_RESTART"
 WORKERS_ENV_VAR = elastic_lib.WORKERS_ENV_VAR
@@ -44,6 +49,9 @@ WORKERS_RANGE_ENV_VAR = elastic_lib.WORKERS_RANGE_ENV_VAR
 EXIT_TOO_FEW_WORKERS = elastic_lib.EXIT_TOO_FEW_WORKERS
 EXIT_DISCOVERY_FAILED = elastic_lib.EXIT_DISCOVERY_FAILED
 DEFAULT_GRACE_PERIOD = 5.0
+# Restarts of an elastic launch when none are asked for: a range of
+# workers can only change size when the job restarts.
+DEFAULT_ELASTIC_RESTARTS = 3
 # Seconds a collective may wait for a peer, for tasks the launcher starts
 # (`auto_strategy` reads it from KERAS_DIST_COLLECTIVE_TIMEOUT): generous,
 # since one worker may validate or write a backup while the others wait.
@@ -71,7 +79,7 @@ def launch(
     chief: bool = False,
     host: str = "localhost",
     grace_period: float = DEFAULT_GRACE_PERIOD,
-    max_restarts: int = 0,
+    max_restarts: int | None = None,
     collective_timeout: float | None = None,
     environ: Mapping[str, str] | None = None,
     stdout: IO[str] | None = None,
@@ -79,6 +87,8 @@ def launch(
     tf_logs: bool = False,
     split_threads: bool | None = None,
     discover: str | None = None,
+    log_dir: str | None = None,
+    only_chief: bool = False,
 ) -> int:
     """Runs `command` as every chief and worker task of a local cluster.
 
@@ -172,10 +182,12 @@ def launch(
             to `"localhost"`.
         grace_period: Float. Seconds between SIGTERM and SIGKILL when tasks
             are stopped. Defaults to `5.0`.
-        max_restarts: Int >= 0. How many times a failed job is started
-            again. With parameter servers and a chief: how many times in all
-            a failed worker is started again in place (the chief and the
-            ps tasks are not restarted). Defaults to `0`.
+        max_restarts: Int >= 0 or `None`. How many times a failed job is
+            started again. With parameter servers and a chief: how many
+            times in all a failed worker is started again in place (the
+            chief and the ps tasks are not restarted). `None`: 0, or
+            `DEFAULT_ELASTIC_RESTARTS` (3) for an elastic launch, which can
+            only resize when it restarts. Defaults to `None`.
         collective_timeout: Float or `None`. Seconds a collective may wait
             for a peer before it fails, given to the tasks as
             `KERAS_DIST_COLLECTIVE_TIMEOUT` (read by
@@ -199,6 +211,15 @@ def launch(
             of worker slots available (see above), run before every
             attempt. `None` means `max` slots (all of `workers`). Defaults
             to `None`.
+        log_dir: String or `None`. The folder that keeps every task's whole
+            output, one file per task and attempt
+            (`attempt-1/worker-0.log`); `None` makes a new folder in the
+            system's temporary directory. The launcher's report of a failure
+            names the files. Defaults to `None`.
+        only_chief: Bool. Show only the chief's output (`chief:0`, or
+            `worker:0` without a chief); the other tasks' lines go to their
+            log files, and their errors (a traceback, in one line) are
+            still shown. Defaults to `False`.
 
     Returns:
         `0` when every chief and worker task exited with status 0 (with
@@ -246,6 +267,10 @@ def launch(
     grace_period = check_real(
         "grace_period", grace_period, minimum=0, hint="It is in seconds."
     )
+    only_chief = check_bool("only_chief", only_chief)
+    elastic_default = max_restarts is None and sizing.elastic and not (ps or chief)
+    if max_restarts is None:
+        max_restarts = DEFAULT_ELASTIC_RESTARTS if elastic_default else 0
     max_restarts = check_int("max_restarts", max_restarts, minimum=0)
     collective_timeout = cluster_lib.check_collective_timeout(collective_timeout)
     coordinated = bool(ps and chief)
@@ -264,6 +289,13 @@ def launch(
             f"ps={ps}, chief={chief}. Drop `ps` and `chief` (a worker-only "
             "job's worker:0 is its chief), or give `workers` as one int "
             "without `discover`."
+        )
+    if elastic_default:
+        say(
+            stderr if stderr is not None else sys.stderr,
+            f"elastic launch (--workers {sizing}): a failed job is restarted "
+            f"up to {max_restarts} times, on the workers available then "
+            "(--max-restarts sets another number).",
         )
     env = dict(os.environ if environ is None else environ)
     if collective_timeout is not None:
@@ -298,9 +330,11 @@ def launch(
         # job goes on; a MultiWorkerMirroredStrategy job restarts whole.
         worker_restarts=max_restarts if coordinated else 0,
         keep_line=tf_logs_lib.keep_line if quiet else None,
+        log_root=log_dir or tempfile.mkdtemp(prefix="keras-dist-logs-"),
+        only_chief=only_chief,
     )
     max_restarts = 0 if coordinated else max_restarts
-    attempt, size, failed = 0, None, None
+    attempt, size, failed, last = 0, None, None, None
     while True:
         previous = size
         try:
@@ -320,14 +354,17 @@ def launch(
                 if size != previous
                 else ""
             )
+            resume = attempts_lib.describe_backup(attempts_lib.last_backup(last.folder))
             say(
                 err,
                 f"restart {attempt} of {max_restarts}: {_describe_failure(failed)}; "
-                f"starting the whole job again{resized} ({RESTART_ENV_VAR}={attempt}).",
+                f"starting the whole job again{resized} ({RESTART_ENV_VAR}="
+                f"{attempt}), {resume}.",
             )
         elif discover is not None:
             say(err, f"starting {size} workers (--workers {sizing}): {reason}.")
-        status, failed = job.run(attempt, size)
+        previous_attempt, last = last, job.run(attempt, size)
+        status, failed = last.status, last.failed
         # Only a task's failure is worth a restart: not a launcher that was
         # interrupted or stopped, nor a command that could not start.
         if status == 0 or failed is None or attempt >= max_restarts:
@@ -338,7 +375,31 @@ def launch(
                     f"{max_restarts}); exit status {status}.",
                 )
             return status
+        if _fails_the_same_way(previous_attempt, last):
+            say(
+                err,
+                f"{failed[0]} failed before its first step with the same error "
+                f"as in attempt {attempt}: {last.error}. A restart would fail "
+                f"the same way; not restarting (exit status {status}). Logs: "
+                f"{last.folder}.",
+            )
+            return status
         attempt += 1
+
+
+def _fails_the_same_way(previous, last) -> bool:
+    """Two attempts whose script raised the same exception before any
+    task trained a step: an error in the script's own set-up, which no
+    restart mends. (An exit without a traceback is not compared: a task
+    may exit with the same status for different reasons.)"""
+    return (
+        previous is not None
+        and previous.kind == last.kind == "failed"
+        and not previous.started
+        and not last.started
+        and last.error is not None
+        and previous.error == last.error
+    )
 
 
 class _Stop(Exception):
@@ -504,13 +565,11 @@ class _Job:
     err: IO[str]
     worker_restarts: int
     keep_line: Callable[[str], bool] | None
+    log_root: str
+    only_chief: bool
 
-    def run(self, attempt: int, workers: int) -> tuple[int, tuple[str, int] | None]:
-        """Starts every task of one attempt, with `workers` workers, to the end.
-
-        Returns the exit status and the `(name, returncode)` of the task that
-        failed, or `None` when no task failed.
-        """
+    def run(self, attempt: int, workers: int) -> _Attempt:
+        """Starts every task of one attempt, with `workers` workers, to the end."""
         env = dict(self.env)
         if self.split_threads:
             # Per attempt: an elastic job's size, and so each task's share,
@@ -524,15 +583,39 @@ class _Job:
             # Too many tasks for the descriptor limit: say so, as for a task
             # that cannot start.
             say(self.err, str(error))
-            return process_lib.EXIT_NO_RESOURCES, None
+            return _Attempt(process_lib.EXIT_NO_RESOURCES)
+        folder = os.path.join(self.log_root, f"attempt-{attempt + 1}")
+        os.makedirs(folder, exist_ok=True)
+        env[attempts_lib.RUN_DIR_ENV_VAR] = folder
         specs = cluster_tasks(self.command, spec, env, attempt)
         # With parameter servers the chief is the coordinator: the job is
         # done when it is, and the workers, which only serve, are stopped then.
         coordinated = bool(self.ps and self.chief)
-        failure = []
-        status = process_lib.run_tasks(
-            specs,
+        chief = "chief:0" if self.chief else "worker:0"
+        output = output_lib.TaskOutput(
             self.out,
+            keep=self.keep_line,
+            log_dir=folder,
+            shown={chief} if self.only_chief else None,
+        )
+        started = time.monotonic()
+        result = _Attempt(0, folder=folder)
+
+        def report(failed, tasks, code):
+            lines = report_lib.failure_block(
+                failed, tasks, code, output.records, time.monotonic() - started
+            )
+            for line in lines:
+                say(self.err, line)
+            diagnosis = report_lib.diagnose(failed, tasks, code, output.records)
+            result.kind, result.cause = diagnosis.kind, diagnosis.cause
+            record = output.records.get(failed.name)
+            result.error = None if record is None else record.exception
+
+        failure = []
+        result.status = process_lib.run_tasks(
+            specs,
+            output,
             lambda message: say(self.err, message),
             self.grace_period,
             coordinator="chief:0" if coordinated else None,
@@ -543,6 +626,32 @@ class _Job:
             if coordinated
             else (),
             restarts=self.worker_restarts,
-            keep_line=self.keep_line,
+            report=None if coordinated else report,
         )
-        return status, failure[0] if failure else None
+        result.failed = failure[0] if failure else None
+        result.started = bool(attempts_lib.started_tasks(folder))
+        return result
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """How one attempt ended.
+
+    Attributes:
+        status: Int. Its exit status.
+        failed: `(name, returncode)` of the task that failed, or `None`.
+        folder: String or `None`. Its folder (logs, the tasks' notes).
+        kind: String or `None`: `"lost"`, `"hung"` or `"failed"` (the
+            report's diagnosis).
+        cause: String or `None`: the diagnosis's one line.
+        error: String or `None`: the failed task's exception line.
+        started: Bool. Whether any task trained a step.
+    """
+
+    status: int
+    failed: tuple | None = None
+    folder: str | None = None
+    kind: str | None = None
+    cause: str | None = None
+    error: str | None = None
+    started: bool = False

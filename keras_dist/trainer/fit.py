@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 import shutil
 import tempfile
 
@@ -16,8 +17,9 @@ import tensorflow as tf
 from keras_dist import _fit_data, state
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
-from keras_dist.core import gloo
+from keras_dist.core import gloo, watchdog
 from keras_dist.core.topology import count_workers
+from keras_dist.launcher import attempts
 from keras_dist.parameter_server import training as _parameter_server
 from keras_dist.trainer import inputs
 
@@ -60,6 +62,7 @@ class FitMixin:
         # are batched at its per_replica_batch_size x num_replicas_in_sync.
         args, kwargs = _fit_data.prepare_fit_arguments(self, args, kwargs)
         values = _compat.bind_fit_arguments(self, args, kwargs)
+        _per_epoch_lines_under_the_launcher(values)
         # TensorFlow may write into the numpy arrays a PyDataset yields.
         values["x"] = inputs.own_batches(values.get("x"))
         values["validation_data"] = inputs.own_batches(values.get("validation_data"))
@@ -104,6 +107,7 @@ class FitMixin:
             return _parameter_server.evaluate(self, **values)
         values = _bind(keras.Model.evaluate, args, kwargs)
         values["x"] = inputs.own_batches(values.get("x"))
+        _per_epoch_lines_under_the_launcher(values)
         settings = self._keras_dist
         evaluating, settings.evaluating = settings.evaluating, True
         try:
@@ -120,6 +124,24 @@ class FitMixin:
         return super().predict(**values)
 
 
+def _per_epoch_lines_under_the_launcher(values) -> None:
+    """`verbose="auto"` under `keras-dist launch`: one line per epoch.
+
+    The launcher reads a task's output through a pipe and shows it with the
+    task's name in front of every line; a progress bar redrawn with `\r`
+    and `\b` would reach it as one line per epoch anyway, erasing the name.
+    """
+    if values.get("verbose", "auto") == "auto" and attempts.run_dir() is not None:
+        values["verbose"] = 2
+
+
+class _MarkStarted(keras.callbacks.Callback):
+    """Tells the launcher that this task trained its first step."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        attempts.mark_started()
+
+
 def fit_callbacks(model, callbacks):
     """Returns the callbacks `DistributedModel.fit` runs, and a cleanup function.
 
@@ -131,9 +153,11 @@ def fit_callbacks(model, callbacks):
     unable to lock file`, or the files are garbled). The temporary folders
     are removed when `fit` ends.
     """
-    if callbacks is None or isinstance(callbacks, keras.callbacks.CallbackList):
+    if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks, lambda: None
-    callbacks = list(callbacks)
+    callbacks = list(callbacks or [])
+    if attempts.run_dir() is not None:
+        callbacks.append(_MarkStarted())
     ours = [c for c in callbacks if getattr(c, "restores_training_state", False)]
     if len(ours) > 1:
         raise ValueError(
@@ -208,40 +232,63 @@ def _lost_a_peer(error) -> bool:
     return isinstance(error, _COLLECTIVE_ERRORS) or gloo.is_failure(error)
 
 
+# TensorFlow's coordination service names the tasks it misses this way.
+_UNHEALTHY = "stopped sending heartbeats"
+_REPORTED_BY = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
+
+
 def _describe_lost_peer(strategy, error) -> str | None:
-    """Names the peer a failed collective lost, or `None` when not multi-worker."""
+    """One line naming the peer a failed collective lost, or `None` when
+    not multi-worker.
+
+    A peer whose process is gone no longer answers on its address; one that
+    is stopped (SIGSTOP) still accepts connections but sends no heartbeats,
+    which TensorFlow's coordination service reports with its name; one that
+    is alive but stopped taking part is what keras_dist's watchdog aborts
+    (`core/watchdog.py`) after the collective timeout.
+    """
     from keras_dist import cluster as cluster_lib
 
     resolver = getattr(strategy, "cluster_resolver", None)
     if not tf_internal.is_multi_worker(strategy) or resolver is None:
         return None
+    me = f"{resolver.task_type}:{resolver.task_id}"
+    message = str(error.message)
     cluster = resolver.cluster_spec().as_dict()
     missing = cluster_lib.unreachable_tasks(
         cluster, resolver.task_type, resolver.task_id
-    )
-    lines = [line.strip() for line in str(error.message).splitlines()]
-    telling = ("timed out", "unhealthy", "peer", "connection", "socket", "abort")
-    first_line = next(
-        (line for line in lines if any(word in line.lower() for word in telling)),
-        next((line for line in lines if line), ""),
     )
     if missing:
         names = ", ".join(
             f"{name} ({address}: {why})" for name, address, why in missing
         )
         cause = f"lost {names}: it no longer answers"
-    elif isinstance(error, tf.errors.DeadlineExceededError):
+    elif _UNHEALTHY in message:
+        reported = [f"{kind}:{index}" for kind, index in _REPORTED_BY.findall(message)]
+        others = [name for name in dict.fromkeys(reported) if name != me]
+        who = ", ".join(others) or "a peer"
         cause = (
-            "a collective timed out (`collective_timeout`), and every task "
-            "still answers: one of them stopped taking part (hung, or busy "
-            "for longer than the timeout)"
+            f"lost {who}: it stopped sending heartbeats (its process is "
+            "stopped, or its machine froze)"
+        )
+    elif watchdog.aborted() is not None or isinstance(
+        error, tf.errors.DeadlineExceededError
+    ):
+        timeout = watchdog.timeout_of(strategy)
+        limit = f" ({timeout:g} s)" if timeout else ""
+        cause = (
+            "a peer stopped taking part: this worker waited for it in a "
+            f"collective longer than the collective timeout{limit}; the peers "
+            "still answer (one is stuck, or busy for longer than the timeout)"
         )
     else:
-        cause = "a collective failed, and every task still answers"
+        first = next(
+            (line.strip() for line in message.splitlines() if line.strip()), ""
+        )
+        cause = f"a collective failed ({type(error).__name__}: {first[:160]})"
     return (
-        f"Training stopped on {resolver.task_type}:{resolver.task_id}: {cause}. "
-        f"TensorFlow said: {type(error).__name__}: {first_line} Restart the "
-        "job (`keras-dist launch --max-restarts N` does it) with "
+        f"Training stopped on {me}: {cause}. Restart the job "
+        "(`keras-dist launch --max-restarts N`) with "
         "`keras_dist.callbacks.BackupAndRestore` to resume from the last backup."
     )
 

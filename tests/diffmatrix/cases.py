@@ -129,3 +129,46 @@ def selected() -> list[Case]:
     if os.environ.get("KERAS_DIST_MATRIX", "").strip() == "full":
         return everything
     return all_pairs(everything)
+
+
+# Under MultiWorkerMirroredStrategy (2 worker processes), one case per
+# piece: the features, optimizers and inputs rotate. Dropout and
+# BatchNormalization are left out (their reference is stock Keras on as many
+# replicas, which a worker process cannot build), and so are the elastic
+# pieces (test_elastic_workers.py resizes real worker jobs).
+MULTI_WORKER_PIECES = (
+    "model",
+    "model_fp16",
+    "model_bf16",
+    "accumulate_1",
+    "accumulate_2",
+    "sharded_1",
+    "sharded_2",
+    "backup_same",
+)
+MULTI_WORKER_FEATURES = (
+    "embedding",
+    "conv",
+    "two_outputs",
+    "unused_weight",
+    "shared",
+    "frozen_same_optimizer",
+    "mixed_float16",
+    "dense",
+)
+
+
+def multi_worker_sample() -> list[Case]:
+    """The cases run under MultiWorkerMirroredStrategy."""
+    inputs = ("arrays", "arrays_remainder", "tf_data", "py_dataset")
+    optimizers = ("adam", "sgd_momentum", "adamw_exclude", "rmsprop", "lion")
+    return [
+        Case(
+            MULTI_WORKER_FEATURES[i],
+            optimizers[i % len(optimizers)],
+            inputs[i % len(inputs)],
+            piece,
+            "multi_worker",
+        )
+        for i, piece in enumerate(MULTI_WORKER_PIECES)
+    ]

@@ -59,7 +59,9 @@ def strategy_of(kind: str, replicas: int = 2):
     if kind == "none" or replicas == 1:
         return None
     if kind == "multi_worker":
-        return _STRATEGIES.setdefault(kind, keras_dist.auto_strategy())
+        if kind not in _STRATEGIES:
+            _STRATEGIES[kind] = keras_dist.auto_strategy()
+        return _STRATEGIES[kind]
     key = (kind, replicas)
     if key not in _STRATEGIES:
         _STRATEGIES[key] = tf.distribute.MirroredStrategy(
@@ -148,7 +150,7 @@ _REFERENCES = {}
 
 def reference(case: Case):
     """`(weights, iterations)` of stock Keras for `case` (cached)."""
-    replicas = 2 if case.strategy != "none" else 1
+    replicas = 1 if case.strategy == "none" else 2
     per_replica = case.feature in ("dropout", "batchnorm") and replicas > 1
     batch = axes.BATCH * accumulation_steps(case.piece)
     key = (case.feature, case.optimizer, case.input, batch, per_replica)
@@ -204,13 +206,16 @@ def _candidate_model(case, strategy):
     return model, optimizer
 
 
-def candidate(case: Case, strategy_kind: str | None = None):
-    """Trains keras_dist's piece of `case`; returns `(weights, iterations)`."""
-    kind = strategy_kind or case.strategy
-    strategy = strategy_of(kind)
+def candidate(case: Case, folder: str | None = None):
+    """Trains keras_dist's piece of `case`; returns `(weights, iterations)`.
+
+    `folder`: where a backup piece writes (every worker of a multi-worker
+    case must name the same); `None` makes one.
+    """
+    strategy = strategy_of(case.strategy)
     data = axes.fit_data(case.input, case.feature, axes.BATCH)
     if case.piece.startswith("backup"):
-        return _resumed(case, kind, data)
+        return _resumed(case, data, folder)
     model, optimizer = _candidate_model(case, strategy)
     with _policy(case.feature):
         if case.feature.startswith("frozen"):
@@ -225,12 +230,13 @@ def candidate(case: Case, strategy_kind: str | None = None):
     return model.get_weights(), _iterations(model)
 
 
-def _resumed(case, kind, data):
+def _resumed(case, data, folder=None):
     """A run stopped after `CRASH_AT` batches and resumed from its backup:
     on the same strategy, or (elastic) on one device <-> 2 replicas."""
-    folder = tempfile.mkdtemp(prefix="kd_matrix_")
+    made = folder is None
+    folder = tempfile.mkdtemp(prefix="kd_matrix_") if made else folder
     try:
-        first = strategy_of(kind)
+        first = strategy_of(case.strategy)
         if case.piece == "backup_same":
             second = first
         else:
@@ -248,7 +254,8 @@ def _resumed(case, kind, data):
             _fit(model, data, axes.EPOCHS, [backup])
         return model.get_weights(), _iterations(model)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        if made:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class _Records(logging.Handler):
@@ -260,7 +267,7 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def run(case: Case, strategy_kind: str | None = None) -> Outcome:
+def run(case: Case, folder: str | None = None) -> Outcome:
     """The case's outcome: the candidate next to its reference."""
     start = time.perf_counter()
     records = _Records()
@@ -270,7 +277,7 @@ def run(case: Case, strategy_kind: str | None = None) -> Outcome:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                weights, iterations = candidate(case, strategy_kind)
+                weights, iterations = candidate(case, folder)
             except Exception as error:  # the outcome records it
                 return Outcome(
                     case.id,
@@ -302,10 +309,13 @@ def _texts(caught, records):
     return [t for t in texts if "oneDNN" not in t]
 
 
-def run_in_worker(case_ids):
+def run_in_worker(case_ids, folder):
     """Runs cases under this worker's MultiWorkerMirroredStrategy (a
-    `keras_dist.testing.run_workers` function); returns their outcomes."""
+    `keras_dist.testing.run_workers` function); returns their outcomes.
+    `folder` is shared by the workers (backups)."""
+    import os
+
     return [
-        dataclasses.asdict(run(Case.from_id(case_id), "multi_worker"))
+        dataclasses.asdict(run(Case.from_id(case_id), os.path.join(folder, case_id)))
         for case_id in case_ids
     ]
