@@ -1,8 +1,10 @@
 """A long multi-worker run: threads, open files, memory and step time over time.
 
 Two worker processes train the same tiny model (8 features -> Dense 16 ->
-Dense 1, SGD, batch 64) for `--minutes` each, one configuration after the
-other, each in fresh processes:
+Dense 1, SGD, batch 64) for `--steps` steps each (the same count on both
+workers: a worker that stopped on its own clock would leave its peer
+waiting in an all-reduce), one configuration after the other, each in
+fresh processes:
 
 - `keras_dist`: `DistributedModel.fit` under `auto_strategy()` with the
   collective timeout `keras-dist launch` gives its tasks (300 s), epochs of
@@ -23,7 +25,7 @@ at.
 
 Usage:
 
-    python benchmarks/bench_soak.py [--minutes 10] [--interval 5]
+    python benchmarks/bench_soak.py [--steps 20000] [--interval 5]
         [--out docs/benchmarks/soak.json]
 
 Prints a markdown table (per configuration: steps, step time in the first
@@ -60,7 +62,10 @@ def parse_args(argv=None):
         jobs=True,
     )
     parser.add_argument(
-        "--minutes", type=float, default=10.0, help="Minutes per configuration."
+        "--steps",
+        type=int,
+        default=20000,
+        help=f"Steps per configuration (a multiple of {EPOCH_STEPS}).",
     )
     parser.add_argument(
         "--interval", type=float, default=5.0, help="Seconds between samples."
@@ -86,39 +91,44 @@ def worker_main(job):
     )
     sampler.labels = {"steps": 0}
     sampler.start()
-    deadline = time.monotonic() + 60 * job["minutes"]
     rng = np.random.default_rng(index)
     x = rng.normal(size=(BATCH * EPOCH_STEPS, FEATURES)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
     if job["config"] == "keras_dist":
         os.environ["KERAS_DIST_COLLECTIVE_TIMEOUT"] = str(TIMEOUT_SECONDS)
-        keras_fit(keras, keras_dist, x, y, sampler, deadline)
+        keras_fit(keras, keras_dist, x, y, sampler, job["steps"])
     else:
         timeout = TIMEOUT_SECONDS if job["config"] == "TF loop, timeout" else None
-        tf_loop(tf, keras, x, y, sampler, deadline, timeout)
+        tf_loop(tf, keras, x, y, sampler, job["steps"], timeout)
     sampler.stop()
     harness.finish_job(job, {"done": True})
 
 
-def keras_fit(keras, keras_dist, x, y, sampler, deadline):
+def keras_fit(keras, keras_dist, x, y, sampler, steps):
     strategy = keras_dist.auto_strategy()
 
     class Count(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             sampler.labels = {"steps": sampler.labels["steps"] + 1}
-            if time.monotonic() > deadline:
-                self.model.stop_training = True
 
     with strategy.scope():
         inputs = keras.Input((FEATURES,))
         hidden = keras.layers.Dense(16, activation="relu")(inputs)
         model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(hidden))
         model.compile(keras.optimizers.SGD(0.01), "mse")
-    while time.monotonic() < deadline:
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[Count()])
+    # Epochs of EPOCH_STEPS steps; each epoch's end reduces the metrics too.
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=steps // EPOCH_STEPS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[Count()],
+    )
 
 
-def tf_loop(tf, keras, x, y, sampler, deadline, timeout):
+def tf_loop(tf, keras, x, y, sampler, steps, timeout):
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     with strategy.scope():
@@ -144,7 +154,7 @@ def tf_loop(tf, keras, x, y, sampler, deadline, timeout):
 
         return strategy.run(replica, args=(next(iterator),))
 
-    while time.monotonic() < deadline:
+    for _ in range(steps):
         step(iterator)
         sampler.labels = {"steps": sampler.labels["steps"] + 1}
 
@@ -156,18 +166,18 @@ def run(args, report):
         samples = os.path.join(folder, config.replace(" ", "_").replace(",", ""))
         job = {
             "config": config,
-            "minutes": args.minutes,
+            "steps": args.steps,
             "interval": args.interval,
             "samples": samples,
         }
-        print(f"{config}: {args.minutes:g} min ...", flush=True)
+        print(f"{config}: {args.steps} steps ...", flush=True)
         started = time.monotonic()
         try:
             harness.run_processes(
                 __file__,
                 job,
                 workers=2,
-                timeout=60 * args.minutes + 600,
+                timeout=3600,
                 name="soak",
             )
             crashed = None
@@ -201,7 +211,7 @@ def run(args, report):
         {
             "setup": {
                 "workers": 2,
-                "minutes": args.minutes,
+                "steps": args.steps,
                 "interval_seconds": args.interval,
                 "model": f"{FEATURES} -> Dense 16 -> Dense 1, SGD, batch {BATCH}",
                 "collective_timeout_seconds": TIMEOUT_SECONDS,
@@ -259,24 +269,24 @@ def plot(plt, report, path):
         samples = [s for s in result["tasks"][0] if s["steps"] > 0]
         if len(samples) < 2:
             continue
-        minutes = [s["time"] / 60 for s in samples]
-        axes[0].plot(minutes, [s["threads"] for s in samples], label=config)
-        axes[1].plot(minutes, [s["rss_bytes"] / 2**20 for s in samples], label=config)
+        steps = [s["steps"] for s in samples]
+        axes[0].plot(steps, [s["threads"] for s in samples], label=config)
+        axes[1].plot(steps, [s["rss_bytes"] / 2**20 for s in samples], label=config)
         times = [
             1000 * (b["time"] - a["time"]) / max(1, b["steps"] - a["steps"])
             for a, b in itertools.pairwise(samples)
         ]
-        axes[2].plot(minutes[1:], times, label=config)
-    axes[0].set(xlabel="minutes", ylabel="threads (worker 0)", yscale="log")
-    axes[1].set(xlabel="minutes", ylabel="resident memory, MiB (worker 0)")
-    axes[2].set(xlabel="minutes", ylabel="ms per step (worker 0)", yscale="log")
+        axes[2].plot(steps[1:], times, label=config)
+    axes[0].set(xlabel="steps", ylabel="threads (worker 0)", yscale="log")
+    axes[1].set(xlabel="steps", ylabel="resident memory, MiB (worker 0)")
+    axes[2].set(xlabel="steps", ylabel="ms per step (worker 0)", yscale="log")
     for axis in axes:
         axis.grid(alpha=0.3)
     axes[0].legend()
     figure.suptitle(
         "2 worker processes, "
         + report["setup"]["model"]
-        + f"; {report['setup']['minutes']:g} min per configuration"
+        + f"; {report['setup']['steps']:,} steps per configuration"
     )
     return harness.save_figure(figure, path)
 

@@ -160,6 +160,7 @@ def reduce_and_apply(
         how_to_raise=(
             "compile(..., non_finite_gradients='raise')" if log_skips else None
         ),
+        names=[getattr(v, "path", None) or v.name for v in trainable],
     )
     return reduced
 

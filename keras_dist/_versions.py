@@ -28,6 +28,9 @@ VERSION = "0.1.0"
 # tests/keras_conformance/stock_passing/ (see CONTRIBUTING.md).
 TESTED_KERAS = ("3.15", "3.15")
 TESTED_TENSORFLOW = ("2.21", "2.21")
+# The PyTorch whose gloo process group the optional gloo backend is tested
+# with (`KERAS_DIST_COLLECTIVES=gloo`); setup.cfg's `test` extra pins it.
+TESTED_TORCH = "2.13.0"
 # The minimums setup.cfg declares; older releases are refused.
 MINIMUM_KERAS = "3.5"
 MINIMUM_TENSORFLOW = "2.16"

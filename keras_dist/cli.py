@@ -484,6 +484,35 @@ def _run_demo(argv: list[str]) -> int:
     return 1
 
 
+def _collectives_lines(tf) -> list[str]:
+    """What carries a multi-worker strategy's sums here, and a tip."""
+    from keras_dist._versions import installed_version
+    from keras_dist.core import gloo
+
+    torch = installed_version("torch")
+    try:
+        backend = gloo.requested_backend()
+    except ValueError as error:
+        return [f"Collectives:   cannot decide: {error}"]
+    if backend == "gloo":
+        if torch is None:
+            return [
+                f"Collectives:   gloo ({gloo.ENV_VAR}=gloo), but PyTorch is not "
+                f"installed: `pip install torch=={gloo.TORCH_VERSION} --index-url "
+                "https://download.pytorch.org/whl/cpu`"
+            ]
+        return [f"Collectives:   gloo ({gloo.ENV_VAR}=gloo; PyTorch {torch})"]
+    lines = ["Collectives:   TensorFlow's (ring on CPU workers, NCCL on GPUs)"]
+    if torch is not None and not tf.config.list_physical_devices("GPU"):
+        lines.append(
+            f"  tip:         {gloo.ENV_VAR}=gloo (PyTorch {torch} is installed) "
+            "sums CPU workers' gradients through gloo: a 21M-parameter MLP's "
+            "step 1.05x PyTorch DDP's, against 1.74x with TensorFlow's "
+            "collectives (2 workers, docs/benchmarks/ddp.md)"
+        )
+    return lines
+
+
 def _run_env(tf_logs: bool = False) -> int:
     # What needs no TensorFlow is printed first: importing TensorFlow is
     # nearly all of this command's time (`import tensorflow` also imports
@@ -532,6 +561,8 @@ def _run_env(tf_logs: bool = False) -> int:
         resolver = f" (resolver: {choice.resolver})" if choice.resolver else ""
         print(f"Strategy:      {choice.name}{resolver}")
         print(f"  because:     {choice.reason}")
+    for line in _collectives_lines(tf):
+        print(line)
     growth = memory_lib.memory_growth_state()
     if growth:
         states = ", ".join(

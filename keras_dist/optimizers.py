@@ -385,8 +385,9 @@ class GradientAccumulationOptimizer(InnerOptimizerWrapper):
 
         Args:
             hook: The built `AllReduceHook` the model trains with.
-            non_finite_gradients: String, as in `accumulate_and_apply`.
-            log_skips: Bool, as in `accumulate_and_apply`.
+            non_finite_gradients: String: `"apply"`, `"skip"` or
+                `"raise"`, as `DistributedModel(non_finite_gradients=...)`.
+            log_skips: Bool: whether a skipped update is logged.
         """
         self._check_built("apply_pending")
         self._cycle.apply_pending(self._applier(hook, non_finite_gradients, log_skips))

@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras_dist import _apply, _registration  # noqa: F401 (registers the hooks)
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
+from keras_dist._sharding_checks import ELEMENTWISE, check_inner  # noqa: F401
 from keras_dist._shards import Shards, update_loss_scale
 from keras_dist._shards import tf_variable as _tf_variable
 from keras_dist._validation import check_int
@@ -23,21 +24,6 @@ from keras_dist.core import (
 )
 from keras_dist.core.optimizer_view import nested_optimizers
 from keras_dist.core.plain import NoCompression
-
-# Optimizers whose update of an element depends only on that element's
-# gradient, state and the step: they give the same result on a slice.
-ELEMENTWISE = (
-    keras.optimizers.SGD,
-    keras.optimizers.Adam,
-    keras.optimizers.AdamW,
-    keras.optimizers.Adamax,
-    keras.optimizers.Nadam,
-    keras.optimizers.RMSprop,
-    keras.optimizers.Adagrad,
-    keras.optimizers.Adadelta,
-    keras.optimizers.Ftrl,
-    keras.optimizers.Lion,
-)
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -125,7 +111,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
 
     def __init__(self, inner_optimizer, accumulation_steps=1, name=None, **kwargs):
         check_base_kwargs("ShardedOptimizer", kwargs)
-        _check_inner(inner_optimizer)
+        check_inner(inner_optimizer)
         steps = check_int(
             "accumulation_steps",
             accumulation_steps,
@@ -687,61 +673,3 @@ def _load_whole(sharded, variables, store):
         )
     for index, variable in enumerate(variables):
         sharded._load(variable, np.asarray(store[str(index)]))
-
-
-def _check_inner(inner):
-    if not isinstance(inner, keras.optimizers.Optimizer):
-        raise TypeError(
-            "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance. "
-            f"Received: inner_optimizer={inner!r}. Pass e.g. "
-            "`keras.optimizers.Adam(1e-3)`."
-        )
-    nested = list(nested_optimizers(inner))
-    base = nested[-1]
-    for optimizer in nested[:-1]:
-        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            raise ValueError(
-                "`inner_optimizer` may be an optimizer or a LossScaleOptimizer "
-                f"around one. Received: {type(optimizer).__name__} around "
-                f"{type(base).__name__}. Wrap accumulation around the "
-                "ShardedOptimizer (`GradientAccumulationOptimizer("
-                "ShardedOptimizer(inner), k)`), or use its "
-                "`accumulation_steps`."
-            )
-    if not isinstance(base, ELEMENTWISE):
-        raise ValueError(
-            f"ShardedOptimizer needs an optimizer whose update of an element "
-            f"uses that element only; {type(base).__name__} needs a whole "
-            "variable (factored moments, a per-variable trust ratio or "
-            "norm), so its update of a slice would differ. Received: "
-            f"inner_optimizer={type(base).__name__}. Use one of "
-            f"{[cls.__name__ for cls in ELEMENTWISE]}, or train "
-            f"{type(base).__name__} unsharded."
-        )
-    if type(base) not in ELEMENTWISE and not getattr(type(base), "elementwise", False):
-        known = next(c for c in type(base).__mro__ if c in ELEMENTWISE)
-        replaced = _compat.update_rule_overridden(type(base), known)
-        if replaced:
-            raise ValueError(
-                f"ShardedOptimizer cannot tell whether {type(base).__name__} "
-                f"updates an element from that element alone: it is a "
-                f"{known.__name__} with its own {' and '.join(replaced)}, "
-                "which may read a whole variable (a norm, a trust ratio, as "
-                "LARS does) and would then differ on a slice. Received: "
-                f"inner_optimizer={type(base).__name__}. If its update is "
-                "elementwise, say so with the class attribute "
-                "`elementwise = True`; otherwise train it unsharded."
-            )
-    if base.use_ema:
-        raise ValueError(
-            "ShardedOptimizer does not keep an exponential moving average of "
-            "the weights (it would be a whole copy of them on every replica). "
-            "Received: inner_optimizer with use_ema=True. Use "
-            "`keras.callbacks.SwapEMAWeights` with an unsharded optimizer."
-        )
-    if getattr(base, "gradient_accumulation_steps", None):
-        raise ValueError(
-            "`inner_optimizer` uses Keras's own `gradient_accumulation_steps`, "
-            "which fails under tf.distribute (keras-team/keras#20582). Use "
-            "`ShardedOptimizer(..., accumulation_steps=k)`."
-        )

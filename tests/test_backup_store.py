@@ -21,9 +21,11 @@ import shutil
 import subprocess
 import uuid
 
+import keras
 import numpy as np
 import pytest
 
+import keras_dist
 from keras_dist.backup import files, store
 from keras_dist.backup.store import BackupError
 
@@ -494,3 +496,26 @@ def test_remove_all_leaves_what_is_not_a_backup(folder):
     files.makedirs(path(folder, "backup-1"))
     store.remove_all(folder)
     assert listing(folder) == ["backup-1", "notes.txt"]
+
+
+def test_an_unreachable_object_store_names_backup_dir_and_credentials():
+    # Without credentials (or a network) a gs:// folder fails at once; the
+    # error names the argument, the URL and what to check, not only
+    # libcurl's line.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = keras_dist.DistributedModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile("sgd", "mse")
+    x = np.zeros((16, 4), "float32")
+    url = "gs://keras-dist-no-such-bucket-for-tests/run1"
+    with pytest.raises(BackupError) as raised:
+        model.fit(
+            x,
+            x[:, :1],
+            batch_size=8,
+            verbose=0,
+            callbacks=[keras_dist.callbacks.BackupAndRestore(url)],
+        )
+    message = str(raised.value)
+    assert message.startswith(f"`backup_dir` could not be reached: backup_dir='{url}'")
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in message

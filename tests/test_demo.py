@@ -3,10 +3,12 @@
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import transcripts
 from helpers import REPO_ROOT
 from tf_log_lines import native_log_lines
 
@@ -78,6 +80,22 @@ def test_demo_through_a_pipe_writes_its_table_without_control_codes(tmp_path):
     names = [r["name"] for r in results["results"]]
     assert names[0] == "1 replica"
     assert any("accumulation" in name for name in names)
+    # Sharding halves Adam's state per replica (two slots and the slice it
+    # updates: 12P/2 against 8P).
+    state = {r["name"]: r["state_bytes"] for r in results["results"]}
+    assert state["2 replicas, ShardedOptimizer"] < 0.8 * state["2 replicas"]
+    assert "| optimizer state per replica |" in out
+    # The fault act: a worker SIGKILLed, the launcher's report, the resume,
+    # and the weights of the uninterrupted run.
+    act = out.split("--- A worker lost mid-epoch", 1)[1]
+    assert "keras-dist: worker:1 lost after" in act
+    assert "worker:1 was killed by SIGKILL." in act
+    assert "restart 1 of 1: worker:1 failed with exit code 137" in act
+    assert "BackupAndRestore: resumed from" in act
+    difference = re.search(r"max \|diff\| = ([0-9.e+-]+)", act)
+    assert difference is not None, act
+    assert float(difference.group(1)) < 1e-5
+    transcripts.check("demo_fault_act", "--- A worker lost mid-epoch" + act)
     for row in results["results"]:
         assert row["test_accuracy"] > 0.5, row
         assert len(row["epoch_loss"]) == len(row["epoch_accuracy"]) == 2, row

@@ -25,10 +25,20 @@ def run(args, timeout=300, cwd=None, stderr_too=False):
 
 
 def test_mirrored_cnn_example():
-    out = run([os.path.join(EXAMPLES, "mirrored_cnn.py"), "--smoke"])
+    out = run([os.path.join(EXAMPLES, "mirrored_cnn.py"), "--smoke"], stderr_too=True)
     assert "digits (smoke)" in out
-    assert "| 1 device |" in out and "| 2 devices |" in out
-    assert "speed-up:" in out
+    assert "global batch 32 in both runs (16 per replica x 2)" in out
+    # Every model is built in the scope it trains in: no scope warning.
+    assert "was created under" not in out
+    rows = {row[0]: row for row in _table_rows(out, "") if len(row) == 4}
+    # The same global batch: the same updates, and the same model.
+    assert rows["1 device"][1] == rows["2 devices"][1] == "16"
+    assert abs(float(rows["1 device"][3]) - float(rows["2 devices"][3])) <= 0.02
+    [line] = [line for line in out.splitlines() if line.startswith("max |w_2")]
+    assert float(line.split("=")[1].split(":")[0]) < 1e-3, line
+    # Logical CPU devices share the cores: no speed-up is claimed.
+    assert "The 2 devices are logical CPU devices" in out
+    assert "speed-up:" not in out
 
 
 @pytest.mark.multiworker
@@ -165,6 +175,50 @@ def test_custom_hook_example_compresses_and_error_feedback_converges():
     no_feedback = float(errors["Int8(error_feedback=False)"][2])
     # Error feedback: the error of the sum over 10 steps shrinks ~10x.
     assert many < one / 5 and many < no_feedback / 5, errors
+
+
+def test_sharded_example_keeps_half_of_adams_state_per_replica():
+    script = os.path.join(EXAMPLES, "sharded.py")
+    out = run([script, "--smoke", "--cpu-replicas", "2"], stderr_too=True)
+    assert "MirroredStrategy, 2 replica(s)" in out
+    assert "was created under" not in out
+    # fit's one line per epoch, for the sharded and the plain run.
+    assert out.count("Epoch 2/2") == 2
+    parameters = int(out.split("(P = ")[1].split()[0].replace(",", ""))
+    slice_size = -(-parameters // 2)
+    rows = {
+        row[0]: [int(cell.replace(",", "")) for cell in row[1:]]
+        for row in _table_rows(out, "")
+        if len(row) == 6 and row[0].isdigit()  # not the header
+    }
+    # Adam's two slots for half the parameters, against all of them, plus
+    # the float32 slice the update runs on.
+    expected = [8 * slice_size, 8 * parameters, 4 * slice_size, 12 * slice_size]
+    assert rows == {"0": [*expected, 8 * parameters], "1": [*expected, 8 * parameters]}
+    assert "test accuracy: " in out
+    [line] = [line for line in out.splitlines() if "max |w_sharded" in line]
+    assert float(line.split("=")[1].split()[0]) < 1e-5, line
+
+
+@pytest.mark.multiworker
+def test_sharded_example_through_the_launcher():
+    # auto_strategy() builds the cluster from the launcher's TF_CONFIG; the
+    # one-process --cpu-replicas is then ignored, with a note.
+    script = os.path.join(EXAMPLES, "sharded.py")
+    launch = ["-m", "keras_dist", "launch", "--workers", "2", "--"]
+    out = run(
+        [*launch, sys.executable, script, "--smoke", "--cpu-replicas", "2"],
+        stderr_too=True,
+    )
+    for worker in (0, 1):
+        assert f"[worker:{worker}] --cpu-replicas 2 ignored: TF_CONFIG" in out
+        assert f"[worker:{worker}] | {worker} | " in out  # its own replica's row
+    differences = [
+        float(line.split("=")[1].split()[0])
+        for line in out.splitlines()
+        if "max |w_sharded" in line
+    ]
+    assert len(differences) == 2 and max(differences) < 1e-5, differences
 
 
 def test_ray_example_passes_object_store_urls_through(monkeypatch):

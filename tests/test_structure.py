@@ -47,6 +47,7 @@ LAYERS = [
             "keras_dist._wrapper",
             "keras_dist.optimizers",
             "keras_dist._shards",
+            "keras_dist._sharding_checks",
             "keras_dist.sharding",
             "keras_dist.schedules",
             "keras_dist._fit_data",
@@ -76,7 +77,10 @@ LAYERS = [
             "keras_dist.tf_keras",
         ],
     ),
-    ("applications", ["keras_dist", "keras_dist.demo", "keras_dist.cli"]),
+    (
+        "applications",
+        ["keras_dist", "keras_dist.demo", "keras_dist._demo_fault", "keras_dist.cli"],
+    ),
     ("entry point", ["keras_dist.__main__"]),
 ]
 

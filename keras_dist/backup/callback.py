@@ -253,15 +253,35 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
         # The writer takes the folder before reading it: a second job stops
         # here, before it trains or deletes anything.
-        self._owner = lock_lib.acquire(self.backup_dir) if self._is_chief() else None
+        try:
+            self._owner = (
+                lock_lib.acquire(self.backup_dir) if self._is_chief() else None
+            )
+        except OSError as error:
+            self._raise_if_unreachable(error)
+            raise
         try:
             self._begin_resume(model)
+        except OSError as error:
+            if self._owner is not None:
+                lock_lib.release(self.backup_dir, self._owner)
+                self._owner = None
+            self._raise_if_unreachable(error)
+            raise
         except BaseException:
             if self._owner is not None:
                 lock_lib.release(self.backup_dir, self._owner)
                 self._owner = None
             raise
         self._install_sigterm_handler()
+
+    def _raise_if_unreachable(self, error: OSError) -> None:
+        """An object store's error, as one that names `backup_dir` and what
+        to check (credentials, the bucket), instead of a raw libcurl line."""
+        if not files.is_local(self.backup_dir):
+            raise store.BackupError(
+                files.unreachable(self.backup_dir, "backup_dir", error)
+            ) from error
 
     def _finish_previous_write(self):
         """Waits for a write a failed `fit` left running; warns if it failed.

@@ -261,3 +261,39 @@ def free_bytes(path: str) -> int | None:
         return shutil.disk_usage(path).free
     except OSError:
         return None
+
+
+# What to check when an object store refuses or cannot be reached, by scheme.
+_CREDENTIALS = {
+    "gs": (
+        "Google Cloud credentials: GOOGLE_APPLICATION_CREDENTIALS naming a "
+        "service-account key file, or `gcloud auth application-default login` "
+        "(on a GCE/GKE machine, the instance's service account and scopes); "
+        "that the bucket exists; and that this machine reaches "
+        "storage.googleapis.com"
+    ),
+    "s3": (
+        "AWS credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+        "~/.aws/credentials), AWS_REGION, tensorflow-io installed (it serves "
+        "s3://), and that the bucket exists"
+    ),
+    "hdfs": (
+        "HADOOP_HDFS_HOME, CLASSPATH (`hadoop classpath --glob`) and that the "
+        "namenode in the URL answers"
+    ),
+}
+
+
+def unreachable(path: str, argument: str, error: BaseException) -> str:
+    """A message for a URL `path` that could not be read or written: the
+    argument, the URL, the error's first line and what to check."""
+    scheme = path.split("://", 1)[0]
+    check = _CREDENTIALS.get(
+        scheme, "that the URL is right and TensorFlow has a file system for it"
+    )
+    detail = str(getattr(error, "message", None) or error).strip().splitlines()
+    first = detail[0] if detail else type(error).__name__
+    return (
+        f"`{argument}` could not be reached: {argument}={path!r}. The object "
+        f"store said: {first[:300]}. Check the {check}."
+    )

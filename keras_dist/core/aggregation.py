@@ -14,6 +14,7 @@ clips each replica's gradient before its all-reduce).
 from __future__ import annotations
 
 import logging
+import re
 
 import tensorflow as tf
 
@@ -274,7 +275,14 @@ def apply_if_finite(reduced, apply, on_skip=None, finite=None):
 
 
 def apply_reduced(
-    reduced, apply, non_finite, iterations, loss_scaled, how_to_raise, finite=None
+    reduced,
+    apply,
+    non_finite,
+    iterations,
+    loss_scaled,
+    how_to_raise,
+    finite=None,
+    names=None,
 ):
     """Applies the reduced gradients as `non_finite` says (replica context).
 
@@ -291,6 +299,8 @@ def apply_reduced(
             `"raise"`, for the warning of a skipped update; `None` skips
             without a warning (XLA compiles no Python callback).
         finite: Boolean scalar or `None`: see `apply_if_finite`.
+        names: List of strings or `None`: the variables of `reduced`, named
+            by `"raise"`'s error (see `non_finite_error`).
 
     Returns:
         What `apply` returned, or (`"skip"`) whether it ran.
@@ -301,7 +311,7 @@ def apply_reduced(
         # The assert runs before any update (tf.function also orders
         # stateful ops in program order), so a failing step leaves the
         # weights as they were.
-        check = assert_finite(reduced, _counter(iterations), finite=finite)
+        check = assert_finite(reduced, _counter(iterations), finite=finite, names=names)
         with tf.control_dependencies([check]):
             return apply(reduced)
     on_skip = None
@@ -333,25 +343,71 @@ def _warn_skipped(iterations, how_to_raise) -> None:
     tf.py_function(warn, [tf.convert_to_tensor(iterations)], [])
 
 
-def assert_finite(gradients, iterations, finite=None):
+# What "raise" asserts, found again in TensorFlow's error by `non_finite_error`.
+NON_FINITE_MARKER = "keras_dist:non-finite-gradient"
+_NON_FINITE = re.compile(
+    re.escape(NON_FINITE_MARKER) + r"\] \[(-?\d+)\] \[([0-9 ]*)\] \[names:([^\]]*)\]"
+)
+
+
+def assert_finite(gradients, iterations, finite=None, names=None):
     """An op that fails when any reduced gradient is NaN or infinite.
 
     The reduced gradients are identical on every replica and worker, so all
-    of them stop at the same step, with this message.
+    of them stop at the same step. The failure is TensorFlow's
+    `InvalidArgumentError` (an assert in the graph); `non_finite_error`
+    turns it into one short `FloatingPointError` naming the update and the
+    variables.
+
+    Args:
+        gradients: List of the reduced gradients.
+        iterations: The optimizer's update counter.
+        finite: Boolean scalar or `None`: the decision, when the gradients
+            alone do not tell it (a sharded update holds slices).
+        names: List of strings or `None`: the gradients' variables.
     """
+    if finite is None:
+        flags = tf.stack(
+            [tf.cast(all_finite([gradient]), tf.int32) for gradient in gradients]
+        )
+        finite = tf.reduce_all(tf.cast(flags, tf.bool))
+    else:
+        flags = tf.zeros([0], tf.int32)
     return tf.debugging.Assert(
-        all_finite(gradients) if finite is None else finite,
+        finite,
         [
-            "keras_dist: the all-reduced gradient is not finite (NaN or inf) at "
-            "optimizer update",
+            NON_FINITE_MARKER,
             iterations,
-            "(0-based). The weights were not updated. Usual causes: NaN or inf "
-            "in the input data, a learning rate that diverged, a loss that "
-            "overflows. To skip such updates instead, pass "
-            "non_finite_gradients='skip' (the default of "
-            "DistributedModel.compile and tf_keras DistributedOptimizer).",
+            flags,
+            "names:" + "|".join(names or []),
         ],
-        summarize=1,
+        summarize=max(16, len(gradients)),
+    )
+
+
+def non_finite_error(error) -> FloatingPointError | None:
+    """The short error for TensorFlow's error of a failed `assert_finite`,
+    or `None` when `error` is another one."""
+    found = _NON_FINITE.search(str(getattr(error, "message", error)))
+    if found is None:
+        return None
+    update, flags, names = found.groups()
+    flags = [int(flag) for flag in flags.split()]
+    names = names.split("|") if names else []
+    bad = [name for name, ok in zip(names, flags) if not ok]
+    where = ""
+    if bad:
+        shown = ", ".join(bad[:5]) + (
+            f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        )
+        where = f" in {shown} ({len(bad)} of {len(names)} variables)"
+    return FloatingPointError(
+        f"keras_dist: the all-reduced gradient of optimizer update {update} "
+        f"(0-based) is not finite (NaN or inf){where}. The weights were not "
+        "updated. Usual causes: NaN or inf in the input data, a learning rate "
+        "that diverged, a loss that overflows. compile(..., "
+        "non_finite_gradients='skip') skips such updates and goes on (the "
+        "default); 'apply' applies them, as stock Keras does."
     )
 
 

@@ -24,6 +24,7 @@ context (branch through `merge_call`, as `PowerSGD` does).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -34,6 +35,8 @@ import tensorflow as tf
 from keras_dist._compat import tf_internal
 from keras_dist._validation import check_int
 from keras_dist.core import gloo, watchdog
+
+logger = logging.getLogger(__name__)
 
 # --- Keys ------------------------------------------------------------------
 
@@ -76,7 +79,7 @@ def own(strategy=None) -> None:
         watchdog.watch(strategy, tf_internal.take_collective_timeout(strategy))
         # Before the keys: a backend that cannot serve the strategy fails
         # here, and the strategy stays unowned until it is fixed.
-        gloo.enable_if_requested(strategy)
+        _log_backend(strategy, gloo.enable_if_requested(strategy))
     with _lock:
         if extended in _owned:
             return
@@ -100,6 +103,25 @@ def own(strategy=None) -> None:
         tf_internal.rekey_collectives(strategy, block * _KEY_BLOCK)
         _subdivide(strategy)
         _owned[extended] = block * _KEY_BLOCK + 1
+
+
+def _log_backend(strategy, through_gloo: bool) -> None:
+    """Says once, on the chief, what carries a multi-worker strategy's sums."""
+    if tf_internal.worker_rank(strategy) != 0:
+        return
+    if through_gloo:
+        logger.warning(
+            "keras_dist: this job sums its dense gradients through gloo "
+            "(%s=gloo, PyTorch %s); TensorFlow's collectives carry the rest.",
+            gloo.ENV_VAR,
+            gloo.torch_version(),
+        )
+    else:
+        logger.info(
+            "keras_dist: this job sums its gradients through TensorFlow's "
+            "collectives (%s unset).",
+            gloo.ENV_VAR,
+        )
 
 
 # Pieces a CPU worker's ring all-reduce may split a tensor into (TensorFlow's

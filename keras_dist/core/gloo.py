@@ -35,8 +35,8 @@ an error naming the worker; a peer that hangs fails the step after the
 strategy's collective timeout (`keras_dist.auto_strategy(collective_timeout=
 ...)` or `KERAS_DIST_COLLECTIVE_TIMEOUT`), or 30 minutes without one, gloo's
 default. PyTorch is needed only in the workers that use the backend
-(`pip install torch`, the CPU wheel:
-`--index-url https://download.pytorch.org/whl/cpu`).
+(the tested version, CPU wheel: `pip install torch==2.13.0 --index-url
+https://download.pytorch.org/whl/cpu`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist._compat import tf_internal
+from keras_dist._versions import TESTED_TORCH as TORCH_VERSION
 from keras_dist.core import watchdog
 from keras_dist.core.topology import local_replicas
 
@@ -214,6 +215,13 @@ def group_for(strategy) -> GlooGroup | None:
     return group
 
 
+def torch_version() -> str:
+    """The installed PyTorch's version (`"not installed"` without one)."""
+    from keras_dist._versions import installed_version
+
+    return installed_version("torch") or "not installed"
+
+
 def _import_torch():
     try:
         import torch
@@ -221,9 +229,10 @@ def _import_torch():
     except ImportError as error:
         raise ImportError(
             f"{ENV_VAR}=gloo needs PyTorch (its gloo process group) in every "
-            "worker: `pip install torch --index-url "
-            "https://download.pytorch.org/whl/cpu` (the CPU wheel), or unset "
-            f"{ENV_VAR} for TensorFlow's collectives."
+            f"worker: `pip install torch=={TORCH_VERSION} --index-url "
+            "https://download.pytorch.org/whl/cpu` (the CPU wheel, the version "
+            f"keras_dist is tested with), or unset {ENV_VAR} for TensorFlow's "
+            "collectives."
         ) from error
     if not dist.is_available() or not dist.is_gloo_available():
         raise ImportError(

@@ -17,7 +17,7 @@ import tensorflow as tf
 from keras_dist import _fit_data, state
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
-from keras_dist.core import gloo, watchdog
+from keras_dist.core import aggregation, gloo, watchdog
 from keras_dist.core.topology import count_workers
 from keras_dist.launcher import attempts
 from keras_dist.parameter_server import training as _parameter_server
@@ -75,6 +75,10 @@ class FitMixin:
         try:
             return super().fit(**values)
         except tf.errors.OpError as error:
+            non_finite = aggregation.non_finite_error(error)
+            if non_finite is not None:
+                # The assert's own text is pages of graph context.
+                raise non_finite from None
             if not _lost_a_peer(error):
                 raise
             lost = _describe_lost_peer(self.distribute_strategy, error)

@@ -1,0 +1,47 @@
+"""Transcripts in the docs, written by the tests that run what they show.
+
+A page shows what a command printed (`docs/transcripts/NAME.txt`, included
+with `--8<--`). The test that runs the command checks the committed
+transcript against its own run, lines compared with their numbers, paths
+and durations masked (they change from run to run) and in any order (the
+tasks of a job print in the order they run); with
+`KERAS_DIST_WRITE_TRANSCRIPTS=1` it writes the transcript instead. So a
+transcript cannot fall behind what the code prints.
+"""
+
+import os
+import re
+
+from helpers import REPO_ROOT
+
+FOLDER = os.path.join(REPO_ROOT, "docs", "transcripts")
+_MASKS = [
+    (re.compile(r"/\S*(?:tmp|keras-dist-logs|keras_dist)\S*"), "PATH"),
+    (re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?"), "N"),
+    (re.compile(r"[ \t]+"), " "),
+]
+
+
+def normalized(text: str) -> list[str]:
+    lines = []
+    for line in text.strip().splitlines():
+        for pattern, replacement in _MASKS:
+            line = pattern.sub(replacement, line)
+        lines.append(line.strip())
+    return sorted(lines)
+
+
+def check(name: str, text: str) -> None:
+    """Writes (`KERAS_DIST_WRITE_TRANSCRIPTS=1`) or checks a transcript."""
+    path = os.path.join(FOLDER, f"{name}.txt")
+    if os.environ.get("KERAS_DIST_WRITE_TRANSCRIPTS", "").strip() == "1":
+        os.makedirs(FOLDER, exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write(text.strip() + "\n")
+        return
+    with open(path) as handle:
+        committed = handle.read()
+    assert normalized(committed) == normalized(text), (
+        f"{path} no longer shows what the command prints; rerun this test with "
+        f"KERAS_DIST_WRITE_TRANSCRIPTS=1 to write it again. This run:\n{text}"
+    )
