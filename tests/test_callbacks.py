@@ -475,8 +475,10 @@ def test_workers_agree_on_adaptive_batch_and_learning_rate():
         workers.adaptive_autoscale_fit, num_workers=2, timeout=300
     )
     assert first["history"] == second["history"]
+    # Logged at each epoch's end: the first change (from 8 per replica x 2
+    # replicas = 16) may come within the first epoch (every 2 updates).
     batch_sizes = first["history"]["batch_size"]
-    assert batch_sizes[0] == 16
-    assert batch_sizes[-1] > batch_sizes[0]  # it did adapt, identically
+    assert batch_sizes == sorted(batch_sizes)
+    assert batch_sizes[-1] > 16  # it did adapt, identically
     for a, b in zip(first["weights"], second["weights"]):
         np.testing.assert_array_equal(a, b)

@@ -16,6 +16,7 @@ errors. The backup store alone (atomic files, fallback, pruning) is in
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -240,8 +241,12 @@ def test_hung_peer_fails_the_survivor_within_the_collective_timeout(tmp_path):
     )
     assert status != 0
     assert "Training stopped on worker:0: a peer stopped taking part" in output
-    # keras_dist's watchdog, not TensorFlow's per-collective timeout.
-    assert "waited 15 s in one call into TensorFlow" in output
+    # keras_dist's watchdog, not TensorFlow's per-collective timeout: its
+    # line is in worker 0's log file, which the one-line error names.
+    log = re.search(r"\(traceback: (\S+worker-0\.log)\)", output)
+    assert log, output[-3000:]
+    with open(log.group(1)) as handle:
+        assert "waited 15 s in one call into TensorFlow" in handle.read()
     assert "keras-dist: worker:1 hung after" in output
     assert "still running: worker:1." in output
     # Start-up (~20-40 s here) + 3 batches + the timeout, with a generous

@@ -49,6 +49,7 @@ LAYERS = [
             "keras_dist._shards",
             "keras_dist._sharding_checks",
             "keras_dist.sharding",
+            "keras_dist.local_sgd",
             "keras_dist.schedules",
             "keras_dist._fit_data",
         ],
@@ -86,7 +87,11 @@ LAYERS = [
 
 # What the Keras-free parts may import besides their own layer.
 KERAS_FREE = {
-    "keras_dist.core.": {"keras_dist._validation", "keras_dist._compat.tf_internal"},
+    "keras_dist.core.": {
+        "keras_dist._validation",
+        "keras_dist._versions",
+        "keras_dist._compat.tf_internal",
+    },
     "keras_dist.tf_keras": {
         "keras_dist._validation",
         "keras_dist._backend",

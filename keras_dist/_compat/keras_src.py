@@ -205,6 +205,15 @@ class MultiWorkerBuildFix:
         strategy = model_strategy(self)
         if strategy is None:
             return
+        if iterator is not None and getattr(iterator, "_num_batches", None) == 0:
+            # Stock Keras warns that the input "ran out of data" and returns
+            # an empty history (fit) or `[]` (evaluate).
+            raise ValueError(
+                "The data given to `fit`/`evaluate` is empty: it yielded no "
+                "batch. Received: an input with 0 examples. Check the "
+                "dataset (a filter or a split that left nothing, "
+                "`drop_remainder=True` on fewer examples than one batch)."
+            )
         if not _needs_symbolic_build(self):
             # Everything is built (a second `fit`, or `evaluate` after `fit`):
             # skip creating a distributed iterator only to read one batch's

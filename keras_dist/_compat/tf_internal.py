@@ -460,9 +460,11 @@ def read_key(key: str, timeout_seconds: float | None = None) -> str:
 def worker_rank(strategy) -> int:
     """This worker's index among `strategy`'s workers (the chief's is 0).
 
-    The order of the strategy's replicas (`multi_worker_util.id_in_cluster`).
+    The order of the strategy's replicas (`multi_worker_util.id_in_cluster`);
+    0 for a strategy of one worker (`MirroredStrategy`, `OneDeviceStrategy`,
+    the default strategy), which has no cluster.
     """
-    return int(strategy.extended._id_in_cluster)
+    return int(getattr(strategy.extended, "_id_in_cluster", 0))
 
 
 # --- Collective timeouts ------------------------------------------------------

@@ -150,8 +150,10 @@ def _check_every_worker_agrees(strategy, backend: str) -> None:
     Raises:
         ValueError: another worker chose another backend; names both.
     """
-    rank = tf_internal.worker_rank(strategy)
     workers = strategy.num_replicas_in_sync // local_replicas(strategy)
+    if workers == 1:
+        return  # nobody to disagree with (and no coordination service)
+    rank = tf_internal.worker_rank(strategy)
     # One key per multi-worker strategy of this process (every worker
     # builds its strategies in the same order; keys are set only once).
     key = f"{_KEY_PREFIX}backend/{next(_AGREEMENTS)}/"
