@@ -22,6 +22,35 @@ tf.config.set_logical_device_configuration(
 _GPUS = tf.config.list_physical_devices("GPU")
 
 
+def _no_tf_data_autotuning():
+    """Every `tf.data` iterator of the test processes runs without autotuning.
+
+    Deleting an autotuned iterator can wait out its tuning thread's sleep,
+    up to 60 s, holding the GIL, when the machine is busy: a TensorFlow race
+    (docs/troubleshooting.md, "Pauses between fit, evaluate and predict")
+    that made tests of a few seconds take 80-400 s in CI. Users avoid it
+    with `options.autotune.enabled = False` on their datasets; Keras's own
+    pipelines (arrays, `PyDataset`) take no options, so the suite applies it
+    where TensorFlow makes every iterator (`_apply_debug_options`, which
+    `tf.data.experimental.enable_debug_mode` uses the same way). Autotuning
+    picks parallelism and buffer sizes only; what a pipeline yields, and in
+    which order, is the same. Worker processes keep it.
+    """
+    from tensorflow.python.data.ops import dataset_ops
+
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    apply_debug_options = dataset_ops.DatasetV2._apply_debug_options
+
+    def without_autotuning(dataset):
+        return apply_debug_options(dataset).with_options(options)
+
+    dataset_ops.DatasetV2._apply_debug_options = without_autotuning
+
+
+_no_tf_data_autotuning()
+
+
 @pytest.fixture(scope="session")
 def mirrored():
     """The factory `mirrored(num_replicas)` of MirroredStrategy on logical CPUs.
