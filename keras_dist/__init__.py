@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from keras_dist import strategy as strategy
     from keras_dist import testing as testing
     from keras_dist.batch_size import find_max_batch_size as find_max_batch_size
+    from keras_dist.local_sgd import DiLoCoOptimizer as DiLoCoOptimizer
+    from keras_dist.local_sgd import LocalSGDOptimizer as LocalSGDOptimizer
     from keras_dist.memory import init_memory_growth as init_memory_growth
     from keras_dist.models import DistributedModel as DistributedModel
     from keras_dist.optimizers import (
@@ -62,6 +64,8 @@ _PUBLIC = {
         "GradientAccumulationOptimizer",
     ),
     "ShardedOptimizer": ("keras_dist.sharding", "ShardedOptimizer"),
+    "LocalSGDOptimizer": ("keras_dist.local_sgd", "LocalSGDOptimizer"),
+    "DiLoCoOptimizer": ("keras_dist.local_sgd", "DiLoCoOptimizer"),
     "auto_strategy": ("keras_dist.strategy", "auto_strategy"),
     "init_memory_growth": ("keras_dist.memory", "init_memory_growth"),
     "find_max_batch_size": ("keras_dist.batch_size", "find_max_batch_size"),

@@ -125,6 +125,21 @@ def reduce_and_apply(
     variables = list(variables)
     build_optimizer(optimizer, variables)
     for nested in nested_optimizers(optimizer):
+        # A periodic optimizer (local SGD, DiLoCo) applies each replica's
+        # own gradient and syncs every H updates (keras_dist.local_sgd).
+        apply_locally = getattr(nested, "apply_locally", None)
+        if apply_locally is not None:
+            _refuse_loss_scaling_around(optimizer, nested)
+            apply_locally(
+                gradients,
+                variables,
+                hook=hook,
+                batch_size=batch_size,
+                non_finite_gradients=non_finite_gradients,
+                log_skips=log_skips,
+            )
+            return None
+    for nested in nested_optimizers(optimizer):
         # A sharded optimizer reduce-scatters the gradients itself
         # (keras_dist.ShardedOptimizer).
         shard_and_apply = getattr(nested, "shard_and_apply", None)
@@ -163,6 +178,20 @@ def reduce_and_apply(
         names=[getattr(v, "path", None) or v.name for v in trainable],
     )
     return reduced
+
+
+def _refuse_loss_scaling_around(optimizer, periodic) -> None:
+    for nested in nested_optimizers(optimizer):
+        if nested is periodic:
+            return
+        if isinstance(nested, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                f"{type(periodic).__name__} does not support loss scaling (the "
+                "mixed_float16 policy): each replica would skip its own "
+                "updates and the replicas' update counts, which decide when "
+                "they sync, would part. Received: a LossScaleOptimizer around "
+                f"{type(periodic).__name__}. Use the mixed_bfloat16 policy."
+            )
 
 
 # Optimizers whose update of a sparse gradient equals that of its dense sum:
@@ -212,4 +241,13 @@ def pending_updater(optimizer):
     for nested in nested_optimizers(optimizer):
         if callable(getattr(nested, "apply_pending", None)):
             return nested
+    return None
+
+
+def periodic_syncer(optimizer):
+    """The periodic optimizer (local SGD, DiLoCo) that `fit` syncs when an
+    epoch's steps end (its `sync_at_epoch_end`); `None` without one."""
+    for nested in nested_optimizers(optimizer):
+        if callable(getattr(nested, "sync_pending", None)):
+            return nested if nested.sync_at_epoch_end else None
     return None

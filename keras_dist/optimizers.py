@@ -212,6 +212,12 @@ class GradientAccumulationOptimizer(InnerOptimizerWrapper):
                 var_list,
             ),
         )
+        # Under a periodic optimizer (local SGD) a window's mean is each
+        # replica's own.
+        self._cycle.local = any(
+            callable(getattr(nested, "apply_locally", None))
+            for nested in nested_optimizers(self.inner_optimizer)
+        )
         self.inner_optimizer.build(var_list)
         # Built here, in cross-replica context: a hook's state cannot be
         # created inside a replica step. `DistributedModel` passes the hook
@@ -412,12 +418,13 @@ class GradientAccumulationOptimizer(InnerOptimizerWrapper):
         self._cycle.last_variables = [built[i] for i in positions if i < len(built)]
 
     def _applier(self, hook, non_finite_gradients, log_skips):
-        def apply(mean_grads, variables):
+        def apply(mean_grads, variables, batch_size=None):
             _apply.reduce_and_apply(
                 self.inner_optimizer,
                 mean_grads,
                 variables,
                 hook,
+                batch_size=batch_size,
                 non_finite_gradients=non_finite_gradients,
                 log_skips=log_skips,
             )

@@ -95,13 +95,18 @@ def training_state(model) -> inventory_lib.StateInventory:
     if accumulator is not None:
         hooks.append(accumulator.all_reduce_hook)
     state = inventory_lib.StateInventory()
-    _add(state, "model", model.variables)
+    # Under local SGD the weights and slots are each replica's own between
+    # syncs (`LocalSGDOptimizer.local_rules`).
+    local = {}
+    for nested in nested_optimizers(optimizer):
+        local.update(getattr(nested, "local_rules", {}))
+    _add(state, "model", model.variables, local=local)
     if optimizer is not None:
         # A sharded optimizer's slices are pieces of one vector.
         shards = {}
         for nested in nested_optimizers(optimizer):
             shards.update(getattr(nested, "shard_rules", {}))
-        _add(state, "optimizer", optimizer.variables, shards)
+        _add(state, "optimizer", optimizer.variables, shards, local=local)
         for hook in hooks:
             if hook is not None and hook.built:
                 for name, variable in zip(hook.state_names, hook.state_variables):
@@ -117,18 +122,20 @@ def training_state(model) -> inventory_lib.StateInventory:
     return state
 
 
-def _add(state, group, variables, shards=None) -> None:
+def _add(state, group, variables, shards=None, local=None) -> None:
     for variable in variables:
         tf_variable = (
             variable.value if isinstance(variable, keras.Variable) else variable
         )
         length = (shards or {}).get(id(tf_variable))
+        rule = (local or {}).get(id(tf_variable))
         state.add(
             group,
             tf_variable,
             _name_of(variable, tf_variable),
-            rule=None if length is None else "shard",
+            rule=rule if length is None else "shard",
             length=length,
+            placement=None if rule is None else inventory_lib.PER_REPLICA,
         )
 
 

@@ -53,6 +53,10 @@ class AccumulationCycle:
         self.micro_steps = micro_steps
         self.steps = steps
         self._index = {id(v): i for i, v in enumerate(variables)}
+        # Local: the optimizer applied to the window applies each replica's
+        # own mean (local SGD); it gets the replica's examples, and the
+        # window's mean needs no collective.
+        self.local = False
 
     def index(self, variable) -> int:
         """The position of `variable`'s accumulator; `KeyError` if unknown."""
@@ -179,19 +183,35 @@ class AccumulationCycle:
 
         tf.distribute.get_replica_context().merge_call(cross_replica)
 
+    def _total(self, examples):
+        """The examples the window's mean is over: every replica's, or
+        (local) this replica's as a share of a replica count of them, which
+        gives its own mean scaled as the front ends scale a gradient."""
+        if self.local:
+            replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+            return examples * replicas
+        return all_reduce(examples)
+
+    def _apply(self, apply, grads, variables, examples):
+        if self.local:
+            apply(grads, variables, batch_size=examples)
+        else:
+            apply(grads, variables)
+
     def _apply_mean(self, accumulators, variables, apply):
-        total = all_reduce(tf.identity(read(self.examples)))
+        examples = tf.identity(read(self.examples))
+        total = self._total(examples)
         grads = [
             tf.math.divide_no_nan(tf.identity(read(a)), tf.cast(total, a.dtype))
             for a in accumulators
         ]
-        apply(grads, variables)
+        self._apply(apply, grads, variables, examples)
         self._clear(accumulators)
 
     def _apply_with_rows(self, accumulators, variables, apply, sparse):
         """A window of one micro-step: its sparse gradients as rows."""
         examples = tf.identity(read(self.examples))
-        total = all_reduce(examples)
+        total = self._total(examples)
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         grads = []
         for position, accumulator in enumerate(accumulators):
@@ -211,7 +231,7 @@ class AccumulationCycle:
                     tf.identity(read(accumulator)), tf.cast(total, accumulator.dtype)
                 )
             )
-        apply(grads, variables)
+        self._apply(apply, grads, variables, examples)
         self._clear(accumulators)
 
     def _clear(self, accumulators):

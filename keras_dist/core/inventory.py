@@ -13,7 +13,9 @@ builds it (`DistributedModel.training_state()`).
 Placement: a *mirrored* variable holds one value that every replica sees
 (model weights, optimizer slots, counters; also a variable on a parameter
 server); a *per-replica* one (`synchronization=ON_READ`) holds a value per
-replica that the replica reads and writes alone.
+replica that the replica reads and writes alone. Under local SGD the
+weights and slots are per replica between syncs too (mirrored variables
+whose copies part), and are listed so.
 
 Rules for restoring per-replica state on `R'` replicas when it was saved
 on `R` (`reshard`):
@@ -139,6 +141,7 @@ class StateInventory:
         name: str,
         rule: str | None = None,
         length: int | None = None,
+        placement: str | None = None,
     ) -> None:
         """Adds one TensorFlow variable under `"<group>/<name>"`.
 
@@ -149,6 +152,11 @@ class StateInventory:
             rule: String or `None`: one of `RULES`, or `None` for the rule
                 its placement and aggregation give (`rule_of`).
             length: Int or `None`. The unpadded length, for `"shard"`.
+            placement: String or `None`: `PER_REPLICA` for a mirrored
+                variable whose replicas hold values of their own between
+                synchronizations (local SGD's weights and slots); `None`
+                for the placement its synchronization gives
+                (`placement_of`).
 
         Raises:
             ValueError: `rule` is not one of `RULES`, or `"same"` for a
@@ -156,7 +164,12 @@ class StateInventory:
         """
         if id(variable) in self._seen:
             return
-        placement = placement_of(variable)
+        placement = placement_of(variable) if placement is None else placement
+        if placement not in (MIRRORED, PER_REPLICA):
+            raise ValueError(
+                f"`placement` must be {MIRRORED!r}, {PER_REPLICA!r} or None. "
+                f"Received: placement={placement!r} for {group}/{name}."
+            )
         rule = rule_of(variable) if rule is None else rule
         if rule not in RULES or (placement == PER_REPLICA) == (rule == "same"):
             raise ValueError(

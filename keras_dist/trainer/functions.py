@@ -12,6 +12,7 @@ from keras_dist import _apply
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
 from keras_dist.core import collectives, topology
+from keras_dist.core.optimizer_view import nested_optimizers
 from keras_dist.parameter_server import training as _parameter_server
 from keras_dist.trainer import logs as logs_lib
 
@@ -34,12 +35,21 @@ class FunctionsMixin:
             # one the weights may appear only in the first trace of the step;
             # `apply_gradients` builds the hook there.
             self.build_all_reduce_hook()
+        self._share_model_state()
         self.train_function = self._make_distributed_function(self.train_step)
         # Made again with the train function: the hook and the optimizer
         # may have changed (a new `compile`).
         self._keras_dist.pending_function = None
         self._warn_of_micro_batch_statistics()
         return self.train_function
+
+    def _share_model_state(self):
+        """A periodic optimizer (local SGD, DiLoCo) averages this model's
+        non-trainable state (BatchNormalization's statistics) at its syncs."""
+        for nested in nested_optimizers(getattr(self, "optimizer", None)):
+            share = getattr(nested, "synchronize_model_state", None)
+            if callable(share):
+                share(self)
 
     def _warn_of_micro_batch_statistics(self):
         """Says that BatchNormalization sees micro-batches under accumulation.
@@ -81,14 +91,20 @@ class FunctionsMixin:
         settings = self._keras_dist
         if not settings.fitting or settings.evaluating:
             return
-        updater = _apply.pending_updater(getattr(self, "optimizer", None))
-        if updater is None or not updater.built:
+        optimizer = getattr(self, "optimizer", None)
+        updater = _apply.pending_updater(optimizer)
+        if updater is not None and not updater.built:
+            updater = None
+        syncer = _apply.periodic_syncer(optimizer)
+        if syncer is not None and not syncer.built:
+            syncer = None
+        if updater is None and syncer is None:
             return
         if settings.pending_function is None:
-            settings.pending_function = self._make_pending_function(updater)
+            settings.pending_function = self._make_pending_function(updater, syncer)
         settings.pending_function()
 
-    def _make_pending_function(self, updater):
+    def _make_pending_function(self, updater, syncer=None):
         strategy = self.distribute_strategy
         hook = self._training_hook()
         non_finite = self._keras_dist.non_finite
@@ -97,9 +113,14 @@ class FunctionsMixin:
         log_skips = not self.jit_compile
 
         def step():
-            updater.apply_pending(
-                hook, non_finite_gradients=non_finite, log_skips=log_skips
-            )
+            # An accumulation's last window first: its update may be the
+            # one that fills a local SGD window.
+            if updater is not None:
+                updater.apply_pending(
+                    hook, non_finite_gradients=non_finite, log_skips=log_skips
+                )
+            if syncer is not None:
+                syncer.sync_pending()
 
         def apply_pending():
             # Traced alike on every worker, at the same point of `fit`.
