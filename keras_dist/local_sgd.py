@@ -156,7 +156,7 @@ class LocalSGDOptimizer(InnerOptimizerWrapper):
         self.inner_optimizer.build(var_list)
         self._build_outer(self._anchors)
         aggregation.build_hook(self._sync_hook, var_list, strategy)
-        if self._sync_hook.state_variables:
+        if self._sync_hook.per_variable_state_names:
             raise ValueError(
                 f"{type(self).__name__} needs a `sync_hook` without state: "
                 f"{type(self._sync_hook).__name__} keeps error feedback "

@@ -125,6 +125,10 @@ def errors():
             callbacks=[keras_dist.callbacks.AutoScaleBatch(16)],
         )
     )
+    with strategy.scope():
+        local_sgd = keras_dist.LocalSGDOptimizer(keras.optimizers.SGD(0.1), 4)
+    local = dense_model(optimizer=local_sgd)
+    found["local_sgd"] = error_of(lambda: local.fit(x_train, y_train, verbose=0))
     infinite = tf.data.Dataset.from_tensor_slices((x_train, y_train)).batch(32)
     found["infinite"] = error_of(lambda: model.fit(infinite.repeat(), verbose=0))
     found["dataset_fn"] = error_of(

@@ -128,6 +128,7 @@ def test_dataset_fn_input_and_logs_cover_every_worker(trained):
         ("hook", r"ValueError: An all-reduce hook has nothing to reduce.*FP16\(\)"),
         ("accumulation", r"ValueError: GradientAccumulationOptimizer does not work"),
         ("autoscale", r"ValueError: AutoScaleBatch does not work"),
+        ("local_sgd", r"ValueError: LocalSGDOptimizer does not work under Param"),
         ("infinite", r"ValueError: `steps_per_epoch` is required for an infinite"),
         ("dataset_fn", r"ValueError: `steps_per_epoch` is required when `x` is a"),
         # Issue 31 B3 (was: no step run, {'accuracy': [0.0], 'loss': [0.0]}).

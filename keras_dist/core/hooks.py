@@ -213,6 +213,13 @@ class AllReduceHook(tf.Module):
         return list(self._state.values())
 
     @property
+    def per_variable_state_names(self) -> tuple:
+        """Names of the state made by `add_state(per_variable=True)`: state
+        that belongs to the gradients of the built variables (residuals,
+        factors), as opposed to state of the hook as a whole."""
+        return tuple(n for n in self._state if n in self._book.per_variable)
+
+    @property
     def reduced_indices(self) -> tuple:
         """Indices into `variable_specs` of the last traced `reduce`.
 
