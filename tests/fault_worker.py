@@ -3,7 +3,8 @@
 Run as every task of `keras-dist launch --workers 2 [--max-restarts N] --
 python tests/fault_worker.py OUT BACKUP [options]`. It trains a small
 regression model with `DistributedModel`, a compression hook (`--config`:
-`fp16`, `powersgd`, or `autoscale`: FP16 with an adaptive `AutoScaleBatch`),
+`fp16`, `powersgd`, `autoscale`: FP16 with an adaptive `AutoScaleBatch`, or
+`diloco`: FP16 with `DiLoCoOptimizer(Adam, sync_every=5)` syncing in FP16),
 `GradientAccumulationOptimizer(accumulation_steps=2)` and
 `BackupAndRestore(save_freq=4)`; the chief writes its final weights and
 history to OUT/CONFIG. Several `--config`s train one after the other in the
@@ -107,9 +108,13 @@ def train(strategy, config, out, backup, hurts, async_write=False):
             ),
             all_reduce_hook=hook,
         )
+        inner = keras.optimizers.Adam(0.01)
+        if config == "diloco":
+            # 6 updates an epoch: a window of 5, then the epoch's end.
+            inner = keras_dist.DiLoCoOptimizer(inner, 5, sync_hook=FP16())
         model.compile(
             optimizer=keras_dist.GradientAccumulationOptimizer(
-                keras.optimizers.Adam(0.01), accumulation_steps=2
+                inner, accumulation_steps=2
             ),
             loss="mse",
             metrics=["mae"],

@@ -101,10 +101,12 @@ def assert_same_run(got, reference):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """The uninterrupted 2-worker runs, one launch for all three."""
+    """The uninterrupted 2-worker runs, one launch for all four."""
     tmp = tmp_path_factory.mktemp("references")
     status, output, _ = launch(
-        tmp, "--config", "fp16", "--config", "powersgd", "--config", "autoscale"
+        tmp,
+        *("--config", "fp16", "--config", "powersgd"),
+        *("--config", "autoscale", "--config", "diloco"),
     )
     assert status == 0, output[-3000:]
     # Training ended normally: the backups were deleted.
@@ -185,6 +187,22 @@ def test_sigkill_mid_accumulation_powersgd_resumes_exactly(tmp_path, references)
     # worker:0's collective-abort traceback is one line.
     assert "Traceback (most recent call last)" not in output
     assert_same_run(tmp_path / "out" / "powersgd", references / "powersgd")
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_sigkill_inside_a_diloco_window_resumes_exactly(tmp_path, references):
+    # 6 updates an epoch, a sync every 5: the backup after batch 4 is 2
+    # updates into the first window, the kill after batch 7 in its middle
+    # (and in an accumulation cycle's). Each worker's weights, Adam moments
+    # and the outer momentum come back; the run ends as the reference.
+    status, output, _ = launch(
+        tmp_path, "--config", "diloco", "--hurt", "0:kill:7", max_restarts=1
+    )
+    assert status == 0, output[-3000:]
+    assert "restart 1 of 1: worker:1 failed with exit code 137" in output
+    assert "diloco/backup-00000001 in epoch 1, after 4 batches" in output
+    assert_same_run(tmp_path / "out" / "diloco", references / "diloco")
 
 
 @pytest.mark.multiworker
