@@ -55,6 +55,8 @@ PIECES = (
     "backup_same",
     "backup_elastic",
     "backup_elastic_accumulate",
+    "local_sgd_1",
+    "diloco_1",
 )
 STRATEGIES = ("none", "mirrored")
 AXES = {

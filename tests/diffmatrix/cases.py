@@ -55,6 +55,10 @@ NOT_COMBINED = {
     "Dropout with accumulation": "the masks are drawn per micro-batch, so "
     "no batch k times larger draws the same ones (equal in distribution "
     "only)",
+    "local SGD or DiLoCo on 2 replicas with an optimizer other than SGD": "each "
+    "replica's optimizer steps on its own gradient and the weights are "
+    "averaged after, which is synchronous training for SGD (with momentum) "
+    "only, by design; with one device it is for every optimizer",
 }
 
 
@@ -62,10 +66,18 @@ def allowed(case: Case) -> bool:
     """Whether `case` is a case (see `NOT_COMBINED`)."""
     if case.piece.startswith("backup") and case.feature.startswith("frozen"):
         return False
+    if (
+        case.piece in PERIODIC
+        and case.strategy != "none"
+        and case.optimizer != "sgd_momentum"
+    ):
+        return False
     return not (case.feature == "dropout" and case.piece in ACCUMULATING)
 
 
 ACCUMULATING = ("accumulate_2", "sharded_2", "backup_elastic_accumulate")
+PERIODIC = ("local_sgd_1", "diloco_1")
+LOSS_SCALING = r"does not support loss scaling \(the mixed_float16 policy"
 ELASTIC = ("backup_elastic", "backup_elastic_accumulate")
 # Documented differences: the warning each gives.
 SUMMED_ROWS = r"are sparse \(rows of an Embedding.*accumulation_steps=2"
@@ -75,6 +87,8 @@ PER_REPLICA_AFTER_RESIZE = r"elastic resume from \d+ to \d+ replicas with"
 
 def expectation(case: Case):
     """What `case` must show."""
+    if case.piece in PERIODIC and case.feature == "mixed_float16":
+        return Refused(LOSS_SCALING)
     if case.piece in ELASTIC and case.feature in ("batchnorm", "dropout"):
         return Warned(PER_REPLICA_AFTER_RESIZE, None)
     if case.piece in ACCUMULATING and case.feature == "batchnorm":

@@ -113,19 +113,21 @@ product):
 
 {axes}
 
-Pieces: `model` is `DistributedModel` with the default hook, `model_fp16`
-/ `model_bf16` with the `FP16` / `BF16` hooks, `accumulate_k` a
-`GradientAccumulationOptimizer` with `accumulation_steps=k`, `sharded_k`
-a `ShardedOptimizer` with `accumulation_steps=k`, `backup_same` a run
-stopped after 7 batches and resumed by `BackupAndRestore(save_freq=5)` on
-the same strategy, `backup_elastic` resumed on one device from 2 replicas
-or the other way round, `backup_elastic_accumulate` the same with
-accumulation 2. Strategies: none (one device), `MirroredStrategy` on 2
-logical CPUs, and a sample of 8 cases under `MultiWorkerMirroredStrategy`
-with 2 worker processes (`multi_worker`). Inputs: 64 examples in batches
-of 16 (`arrays`), 70 (`arrays_remainder`: the last batch of each epoch has
-6), a seeded, reshuffling `tf.data` pipeline repeated with
-`steps_per_epoch`, and a `keras.utils.PyDataset`.
+Pieces: `model` is `DistributedModel` with the default hook, `model_fp16` /
+`model_bf16` with the `FP16` / `BF16` hooks, `accumulate_k` a
+`GradientAccumulationOptimizer` with `accumulation_steps=k`, `sharded_k` a
+`ShardedOptimizer` with `accumulation_steps=k`, `backup_same` a run stopped
+after 7 batches and resumed by `BackupAndRestore(save_freq=5)` on the same
+strategy, `backup_elastic` resumed on one device from 2 replicas or the
+other way round, `backup_elastic_accumulate` the same with accumulation 2,
+`local_sgd_1` a `LocalSGDOptimizer` with `sync_every=1`, `diloco_1` a
+`DiLoCoOptimizer` with `sync_every=1` and the outer `SGD(1.0)` (with SGD,
+both are synchronous training). Strategies: none (one device),
+`MirroredStrategy` on 2 logical CPUs, and a sample of 8 cases under
+`MultiWorkerMirroredStrategy` with 2 worker processes (`multi_worker`).
+Inputs: 64 examples in batches of 16 (`arrays`), 70 (`arrays_remainder`:
+the last batch of each epoch has 6), a seeded, reshuffling `tf.data`
+pipeline repeated with `steps_per_epoch`, and a `keras.utils.PyDataset`.
 
 **Not combined**:
 

@@ -106,6 +106,12 @@ def candidate_optimizer(case: Case):
         return keras_dist.ShardedOptimizer(
             inner, accumulation_steps=accumulation_steps(case.piece)
         )
+    if case.piece == "local_sgd_1":
+        return keras_dist.LocalSGDOptimizer(inner, sync_every=1)
+    if case.piece == "diloco_1":
+        # The outer SGD(1.0) moves the global weights by the mean change.
+        outer = keras.optimizers.SGD(1.0)
+        return keras_dist.DiLoCoOptimizer(inner, 1, outer_optimizer=outer)
     return inner
 
 
