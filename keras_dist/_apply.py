@@ -125,26 +125,18 @@ def reduce_and_apply(
     variables = list(variables)
     build_optimizer(optimizer, variables)
     for nested in nested_optimizers(optimizer):
-        # A periodic optimizer (local SGD, DiLoCo) applies each replica's
-        # own gradient and syncs every H updates (keras_dist.local_sgd).
-        apply_locally = getattr(nested, "apply_locally", None)
-        if apply_locally is not None:
-            _refuse_loss_scaling_around(optimizer, nested)
-            apply_locally(
-                gradients,
-                variables,
-                hook=hook,
-                batch_size=batch_size,
-                non_finite_gradients=non_finite_gradients,
-                log_skips=log_skips,
-            )
-            return None
-    for nested in nested_optimizers(optimizer):
-        # A sharded optimizer reduce-scatters the gradients itself
-        # (keras_dist.ShardedOptimizer).
-        shard_and_apply = getattr(nested, "shard_and_apply", None)
-        if shard_and_apply is not None:
-            shard_and_apply(
+        # An optimizer that sums the gradients its own way: a periodic one
+        # (local SGD, DiLoCo) applies each replica's own gradient and syncs
+        # every H updates (keras_dist.local_sgd); a sharded one
+        # reduce-scatters them (keras_dist.ShardedOptimizer). They refuse
+        # each other, so at most one is in the chain.
+        own_apply = getattr(nested, "apply_locally", None) or getattr(
+            nested, "shard_and_apply", None
+        )
+        if own_apply is not None:
+            if hasattr(nested, "apply_locally"):
+                _refuse_loss_scaling_around(optimizer, nested)
+            own_apply(
                 gradients,
                 variables,
                 hook=hook,

@@ -239,6 +239,8 @@ def _lost_a_peer(error) -> bool:
 # TensorFlow's coordination service names the tasks it misses this way.
 _UNHEALTHY = "stopped sending heartbeats"
 _REPORTED_BY = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
+# gRPC's words for a peer whose process closed its sockets.
+_CONNECTION_LOST = re.compile(r"Connection reset by peer|Socket closed|Broken pipe")
 
 
 def _describe_lost_peer(strategy, error) -> str | None:
@@ -267,6 +269,13 @@ def _describe_lost_peer(strategy, error) -> str | None:
             f"{name} ({address}: {why})" for name, address, why in missing
         )
         cause = f"lost {names}: it no longer answers"
+    elif _CONNECTION_LOST.search(message) and _REPORTED_BY.search(message):
+        # The peer's end of a transfer closed (its process is exiting) and
+        # its address still answered the probe a moment later.
+        reported = [f"{kind}:{index}" for kind, index in _REPORTED_BY.findall(message)]
+        others = [name for name in dict.fromkeys(reported) if name != me]
+        who = ", ".join(others) or "a peer"
+        cause = f"lost {who}: its connection was closed (its process ended)"
     elif _UNHEALTHY in message:
         reported = [f"{kind}:{index}" for kind, index in _REPORTED_BY.findall(message)]
         others = [name for name in dict.fromkeys(reported) if name != me]
