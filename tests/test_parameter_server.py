@@ -166,11 +166,15 @@ def test_a_sigkilled_worker_costs_no_step(sharded):
     # It was killed while its closures' outputs were read (a race that ended
     # fit in CI): each output was read whole, the lost ones after a rerun.
     assert result["fetched_as_killed"] == [4.0 * 2**20] * 40
-    assert re.search(
+    # Whether the kill (a 0.5 s timer) lands while one of worker:1's outputs
+    # is still unread depends on the machine's load: a full suite run on 2
+    # busy cores once read them all first. When it does, the log names it.
+    lost = re.findall(
         r"the outputs of a step were lost with the worker that ran "
-        r"it \(/job:worker/replica:0/task:1/",
+        r"it \(/job:(\w+)/replica:0/task:(\d+)/",
         completed.stdout,
-    ), completed.stdout[-4000:]
+    )
+    assert set(lost) <= {("worker", "1")}, completed.stdout[-4000:]
     # Every scheduled step ran; a chunk that the killed worker had started
     # may have applied some of its updates before it died and runs again.
     assert result["kill_steps"] <= result["kill_iterations"] <= result["kill_steps"] + 4
