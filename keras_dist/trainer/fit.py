@@ -269,13 +269,6 @@ def _describe_lost_peer(strategy, error) -> str | None:
             f"{name} ({address}: {why})" for name, address, why in missing
         )
         cause = f"lost {names}: it no longer answers"
-    elif _CONNECTION_LOST.search(message) and _REPORTED_BY.search(message):
-        # The peer's end of a transfer closed (its process is exiting) and
-        # its address still answered the probe a moment later.
-        reported = [f"{kind}:{index}" for kind, index in _REPORTED_BY.findall(message)]
-        others = [name for name in dict.fromkeys(reported) if name != me]
-        who = ", ".join(others) or "a peer"
-        cause = f"lost {who}: its connection was closed (its process ended)"
     elif _UNHEALTHY in message:
         reported = [f"{kind}:{index}" for kind, index in _REPORTED_BY.findall(message)]
         others = [name for name in dict.fromkeys(reported) if name != me]
@@ -294,6 +287,13 @@ def _describe_lost_peer(strategy, error) -> str | None:
             f"collective longer than the collective timeout{limit}; the peers "
             "still answer (one is stuck, or busy for longer than the timeout)"
         )
+    elif _CONNECTION_LOST.search(message) and _REPORTED_BY.search(message):
+        # The peer's end of a transfer closed (its process is exiting) and
+        # its address still answered the probe a moment later.
+        reported = [f"{kind}:{index}" for kind, index in _REPORTED_BY.findall(message)]
+        others = [name for name in dict.fromkeys(reported) if name != me]
+        who = ", ".join(others) or "a peer"
+        cause = f"lost {who}: its connection was closed (its process ended)"
     else:
         first = next(
             (line.strip() for line in message.splitlines() if line.strip()), ""
