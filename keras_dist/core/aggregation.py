@@ -439,13 +439,17 @@ def weight_by_batch_share(gradients, batch_size):
     local = tf.cast(batch_size, tf.float32)
     total = all_reduce(local)
     weight = tf.math.divide_no_nan(local * float(replicas), total)
-    return [_scale(gradient, weight) for gradient in gradients]
+    return [scale_gradient(gradient, weight) for gradient in gradients]
 
 
-def _scale(gradient, weight):
+def scale_gradient(gradient, weight):
+    """`gradient * weight`, a sparse one as its rows; 0 where `weight` is not
+    positive."""
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(
-            _scale(gradient.values, weight), gradient.indices, gradient.dense_shape
+            scale_gradient(gradient.values, weight),
+            gradient.indices,
+            gradient.dense_shape,
         )
     gradient = tf.convert_to_tensor(gradient)
     # `where`, not a product alone: an empty replica's gradient can be NaN

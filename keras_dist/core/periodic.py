@@ -37,6 +37,7 @@ from keras_dist.core.aggregation import (
     apply_if_finite,
     assert_finite,
     reduce_gradients,
+    scale_gradient,
 )
 from keras_dist.core.collectives import all_reduce, all_reduce_sum, replica_context
 
@@ -62,8 +63,9 @@ class SyncWindow:
         self.since_sync = since_sync
         self.sync_every = sync_every
         self.examples = examples
+        # Floating-point variables outside the gradient path, averaged at a
+        # sync (set by the optimizer that owns the window).
         self.model_state = []
-        self._anchor_of = {id(v): a for v, a in zip(self.variables, self.anchors)}
 
     def local_update(
         self,
@@ -81,9 +83,9 @@ class SyncWindow:
         Runs in replica context.
 
         Args:
-            gradients: List of this replica's gradients, scaled as the front
-                ends scale them (the gradient of the replica's mean loss
-                over `num_replicas_in_sync`); `None` entries are dropped.
+            gradients: List of this replica's gradients (no `None`), scaled
+                as the front ends scale them (the gradient of the replica's
+                mean loss over `num_replicas_in_sync`).
             variables: List of the matching trainable variables.
             apply: Callable `apply(gradients, variables)`: the inner
                 optimizer's update of this replica's copy (no all-reduce).
@@ -99,7 +101,7 @@ class SyncWindow:
                 in the batch (`None` counts the update as one).
         """
         replicas = replica_context().num_replicas_in_sync
-        local = [_scaled(g, float(replicas)) for g in gradients]
+        local = [scale_gradient(g, float(replicas)) for g in gradients]
 
         def update(local):
             apply(local, variables)
@@ -116,25 +118,19 @@ class SyncWindow:
             apply_if_finite(local, update, finite=agreed)
         examples = 1.0 if batch_size is None else batch_size
         self.examples.assign_add(tf.cast(examples, tf.float32))
-        self.after_update(iterations)
+        self.after_update()
 
-    def after_update(self, iterations=None):
+    def after_update(self):
         """Counts an update; syncs on the window's last one (replica context)."""
-        del iterations
 
         def cross_replica(strategy):
             since = self.since_sync + 1
-
-            def sync():
-                strategy.extended.call_for_each_replica(self._synchronize)
-                self.since_sync.assign(0)
-                return tf.constant(True)
 
             def wait():
                 self.since_sync.assign(since)
                 return tf.constant(False)
 
-            return tf.cond(since >= self.sync_every, sync, wait)
+            return tf.cond(since >= self.sync_every, self._sync_on(strategy), wait)
 
         tf.distribute.get_replica_context().merge_call(cross_replica)
 
@@ -145,14 +141,24 @@ class SyncWindow:
         """
 
         def cross_replica(strategy):
-            def sync():
-                strategy.extended.call_for_each_replica(self._synchronize)
-                self.since_sync.assign(0)
-                return tf.constant(True)
-
-            return tf.cond(self.since_sync > 0, sync, lambda: tf.constant(False))
+            return tf.cond(
+                self.since_sync > 0,
+                self._sync_on(strategy),
+                lambda: tf.constant(False),
+            )
 
         tf.distribute.get_replica_context().merge_call(cross_replica)
+
+    def _sync_on(self, strategy):
+        """The branch of a cross-replica cond that syncs every replica and
+        starts a new window."""
+
+        def sync():
+            strategy.extended.call_for_each_replica(self._synchronize)
+            self.since_sync.assign(0)
+            return tf.constant(True)
+
+        return sync
 
     def start_window(self):
         """Before a window's first update the anchors take the weights.
@@ -192,7 +198,7 @@ class SyncWindow:
             for variable, anchor in zip(self.variables, self.anchors)
         ]
         _, _, mean_delta = reduce_gradients(deltas, self.variables, self._hook)
-        state = [v for v in self.model_state if tf.as_dtype(v.dtype).is_floating]
+        state = self.model_state
         averaged = []
         if state:
             averaged = all_reduce_sum(
@@ -204,16 +210,3 @@ class SyncWindow:
         for variable, value in zip(state, averaged):
             variable.assign(value)
         self.examples.assign(tf.zeros_like(examples))
-
-
-def _scaled(gradient, factor):
-    if gradient is None:
-        return None
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            gradient.values * tf.cast(factor, gradient.values.dtype),
-            gradient.indices,
-            gradient.dense_shape,
-        )
-    gradient = tf.convert_to_tensor(gradient)
-    return gradient * tf.cast(factor, gradient.dtype)
