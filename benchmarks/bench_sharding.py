@@ -10,6 +10,9 @@ trains a 25.2M-parameter MLP (Dense 1024 -> 4096 -> 4096 -> 1024, MSE, as in
   inside a private network namespace, its loopback unshaped and shaped to
   `--rate` (default 1 Gbit/s) with a token-bucket filter (needs root and
   `ip`/`tc`, like `bench_compression.py`);
+- `gloo`: the same, with `KERAS_DIST_COLLECTIVES=gloo` (needs PyTorch): the
+  unsharded buckets and the sharded reduce-scatter and all-gather through
+  gloo;
 - `logical`: one process, `MirroredStrategy` over `--logical-replicas`
   (default 4) logical CPU devices (`keras_dist.auto_strategy(cpu_replicas=N)`).
 
@@ -35,7 +38,7 @@ the table reports the median over rounds of each launch's median step.
 Usage (root for the namespaces; `--settings logical` needs none):
 
     sudo .venv/bin/python benchmarks/bench_sharding.py [--steps 10]
-        [--rounds 3] [--settings workers logical] [--rate 1gbit]
+        [--rounds 3] [--settings workers gloo logical] [--rate 1gbit]
         [--logical-replicas 4] [--probe-repeats 4] [--no-profile]
         [--allocator default|mmap64k] [--out docs/benchmarks/sharding.json]
 
@@ -99,9 +102,12 @@ def parse_args(argv=None):
     parser.add_argument(
         "--settings",
         nargs="+",
-        choices=("workers", "logical"),
-        default=["workers", "logical"],
-        help="What to run: 2 worker processes and/or logical replicas.",
+        choices=("workers", "gloo", "logical"),
+        default=["workers", "gloo", "logical"],
+        help=(
+            "What to run: 2 worker processes (TensorFlow's collectives, and/or "
+            "gloo's) and/or logical replicas."
+        ),
     )
     parser.add_argument(
         "--logical-replicas",
@@ -193,7 +199,8 @@ def probe_collectives(tf, strategy, size: int, repeats: int) -> dict:
     padded = -(-size // replicas) * replicas
 
     def all_reduce(flat):
-        return collectives.all_reduce(flat)
+        # The gradients' path: through gloo where the strategy's sums are.
+        return collectives.all_reduce_sum([flat])[0]
 
     def scatter_gather(flat):
         local = collectives.reduce_scatter(flat)
@@ -368,7 +375,10 @@ def launch(args, setting, config, condition, round_index):
         side=side,
         profile=profile,
     )
-    workers = setting == "workers"
+    workers = setting in ("workers", "gloo")
+    env = dict(ALLOCATORS[args.allocator])
+    if setting == "gloo":
+        env["KERAS_DIST_COLLECTIVES"] = "gloo"
     print(f"round {round_index}: {setting}, {condition}, {config}...", flush=True)
     result = harness.run_processes(
         __file__,
@@ -376,7 +386,7 @@ def launch(args, setting, config, condition, round_index):
         workers=2 if workers else 0,
         namespace=workers,
         rate=args.rate if condition == "shaped" else None,
-        env=ALLOCATORS[args.allocator],
+        env=env,
         timeout=args.timeout,
         name=f"sharding_{setting}_{condition}_{config}",
     )
@@ -397,7 +407,7 @@ def launch(args, setting, config, condition, round_index):
 
 
 def conditions(setting):
-    return ("unshaped", "shaped") if setting == "workers" else ("one process",)
+    return ("one process",) if setting == "logical" else ("unshaped", "shaped")
 
 
 def summarize(runs) -> dict:
@@ -462,11 +472,10 @@ def format_table(summary, rate) -> str:
     for key, row in summary.items():
         setting, condition = key.split("/")
         first = row["unsharded"]
-        where = (
-            f"{first['replicas']} workers"
-            if setting == "workers"
-            else f"{first['replicas']} logical replicas, 1 process"
-        )
+        where = {
+            "workers": f"{first['replicas']} workers",
+            "gloo": f"{first['replicas']} workers, gloo",
+        }.get(setting, f"{first['replicas']} logical replicas, 1 process")
         network = f"shaped {rate}" if condition == "shaped" else condition
         for config in CONFIGS:
             cell = row[config]
@@ -532,7 +541,8 @@ def plot_label(key, summary, rate) -> str:
     if setting == "logical":
         return f"{replicas} logical replicas\n(1 process)"
     network = f"loopback {rate}" if condition == "shaped" else "loopback unshaped"
-    return f"{replicas} workers\n{network}"
+    backend = ", gloo" if setting == "gloo" else ""
+    return f"{replicas} workers{backend}\n{network}"
 
 
 def plot(plt, report, path):
@@ -587,7 +597,7 @@ def plot(plt, report, path):
 
 
 def run(args, report):
-    if "workers" in args.settings:
+    if {"workers", "gloo"} & set(args.settings):
         harness.require_root("bench_sharding")
     runs = {
         setting: {c: {k: [] for k in CONFIGS} for c in conditions(setting)}

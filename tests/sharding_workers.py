@@ -26,29 +26,51 @@ INNER = {
 
 
 def sharded_fit(names, accumulation_steps, micro_batch, epochs=2):
-    """ShardedOptimizer with DistributedModel on MultiWorkerMirroredStrategy."""
+    """ShardedOptimizer with DistributedModel on MultiWorkerMirroredStrategy.
+
+    Per optimizer: the weights, the iterations, the shape of a slot's local
+    slices and, with the gloo backend, the group's running count of
+    collectives by kind (`None` on TensorFlow's collectives).
+    """
+    cases = [(name, accumulation_steps, micro_batch, None) for name in names]
+    return dict(zip(names, sharded_cases(cases, epochs)))
+
+
+def sharded_cases(cases, epochs=2):
+    """`sharded_fit` per case `(name, accumulation_steps, micro_batch,
+    hook_config)` (`hook_config`: a serialized all-reduce hook or `None`),
+    one strategy for all; a list of results in the cases' order."""
     import keras
     import tensorflow as tf
     from helpers import compile_model, make_data, mlp, sharded_dataset
 
     import keras_dist
+    import keras_dist.compression  # registers the hooks for deserialization
+    from keras_dist.core import gloo
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     x, y = make_data()
-    dataset = sharded_dataset(x, y, micro_batch * strategy.num_replicas_in_sync)
-    results = {}
-    for name in names:
+    results = []
+    for name, accumulation_steps, micro_batch, hook_config in cases:
+        dataset = sharded_dataset(x, y, micro_batch * strategy.num_replicas_in_sync)
         with strategy.scope():
             optimizer = keras_dist.ShardedOptimizer(
                 INNER[name](keras), accumulation_steps=accumulation_steps
             )
             model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
+            if hook_config is not None:
+                hook = keras.saving.deserialize_keras_object(hook_config)
+                model.register_all_reduce_hook(hook)
         model.fit(dataset, epochs=epochs, verbose=0)
+        group = gloo.group_for(strategy)
         slots = optimizer.inner_optimizer.variables[-1]
         local = strategy.experimental_local_results(slots.value)
-        results[name] = {
-            "weights": model.get_weights(),
-            "iterations": int(optimizer.iterations.numpy()),
-            "slot_shape": [tuple(c.shape) for c in local],
-        }
+        results.append(
+            {
+                "weights": model.get_weights(),
+                "iterations": int(optimizer.iterations.numpy()),
+                "slot_shape": [tuple(c.shape) for c in local],
+                "gloo": None if group is None else dict(group.ops),
+            }
+        )
     return results

@@ -5,6 +5,7 @@ through a gloo process group (PyTorch's c10d, over TCP); the fault tests are
 in test_fault_tolerance.py (a killed peer, a resume after one).
 """
 
+import itertools
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+import sharding_workers
 import tensorflow as tf
 import workers
 from helpers import max_abs_diff
@@ -89,6 +91,53 @@ def test_gloo_sums_equal_tensorflow_collectives_exactly():
     calls, nbytes = with_gloo[0][4]["gloo"]
     assert calls > 2 * steps and nbytes < steps * (MLP_BYTES + logs)
     assert with_gloo[0][5]["gloo"] == (steps, steps * (logs + 4))
+
+
+@pytest.mark.multiworker
+def test_the_sharded_optimizer_through_gloo_equals_tensorflow_collectives():
+    """2 workers, ShardedOptimizer fits with gloo and with TensorFlow's
+    collectives: the same weights to the bit (gloo moves the rows, the sum
+    is TensorFlow's either way), the reduce-scatters and all-gathers outside
+    a `tf.cond` through gloo's all-to-all."""
+    cases = [
+        ("adam", 1, 8, None),
+        ("clipnorm", 1, 8, None),
+        ("adamw", 1, 8, keras.saving.serialize_keras_object(FP16())),
+        ("sgd", 4, 2, None),
+    ]
+    with_gloo = run_workers(
+        sharding_workers.sharded_cases,
+        args=(cases,),
+        env={"KERAS_DIST_COLLECTIVES": "gloo"},
+        timeout=400,
+    )
+    with_tf = run_workers(sharding_workers.sharded_cases, args=(cases,), timeout=400)
+    for worker in range(2):
+        for case, got, reference in zip(cases, with_gloo[worker], with_tf[worker]):
+            assert reference["gloo"] is None
+            assert max_abs_diff(got["weights"], reference["weights"]) == 0.0, case
+            assert got["iterations"] == reference["iterations"], case
+    # The group's running counts, per fit.
+    ops = [{}] + [result["gloo"] for result in with_gloo[0]]
+    counts = [
+        {op: after.get(op, 0) - before.get(op, 0) for op in after}
+        for before, after in itertools.pairwise(ops)
+    ]
+    assert with_gloo[1][-1]["gloo"] == with_gloo[0][-1]["gloo"]
+    steps = 2 * 64 // 16
+    # Stage 1: per step one reduce-scatter, one all-gather of the updated
+    # slices and one all-reduce of the step's metric sums.
+    for index in range(3):
+        assert counts[index] == {
+            "all_to_all": steps,
+            "all_gather": steps,
+            "all_reduce": steps,
+        }, cases[index]
+    # Stage 2: a reduce-scatter per micro-step through gloo; the update (and
+    # its all-gather) runs every 4th, inside a `tf.cond`: TensorFlow's.
+    micro_steps = 2 * 64 // 4
+    assert counts[3]["all_to_all"] == micro_steps
+    assert counts[3].get("all_gather", 0) == 0
 
 
 def test_the_backend_is_chosen_by_name(monkeypatch):
@@ -225,7 +274,7 @@ def test_a_lost_peer_fails_the_gloo_sum(how):
     assert outcome["done"] == 2, outcome
     assert outcome["type"] == "UnknownError", outcome
     assert outcome["is_failure"], outcome
-    assert "gloo all-reduce failed on worker 0 of 2" in outcome["message"]
+    assert "gloo collective failed on worker 0 of 2" in outcome["message"]
     if how == "hang":
         assert "within 5 s" in outcome["message"], outcome
         assert 4 < outcome["seconds"] < 60, outcome

@@ -111,8 +111,9 @@ def _log_backend(strategy, through_gloo: bool) -> None:
         return
     if through_gloo:
         logger.warning(
-            "keras_dist: this job sums its dense gradients through gloo "
-            "(%s=gloo, PyTorch %s); TensorFlow's collectives carry the rest.",
+            "keras_dist: this job sums its dense gradients (and a sharded "
+            "optimizer's slices) through gloo (%s=gloo, PyTorch %s); "
+            "TensorFlow's collectives carry the rest.",
             gloo.ENV_VAR,
             gloo.torch_version(),
         )
@@ -320,10 +321,18 @@ def _sum_by_bucket(tensors, sum_group, bucket_bytes):
 
 
 def all_gather(tensor, axis=0):
-    """Concatenates every replica's `tensor` along `axis`, in replica order."""
+    """Concatenates every replica's `tensor` along `axis`, in replica order.
+
+    Along the first axis, with shapes known when tracing, through gloo where
+    the strategy's sums go through it (`core/gloo.py`).
+    """
     ctx = replica_context()
     if ctx.num_replicas_in_sync == 1:
         return tensor
+    backend = gloo.group_for(ctx.strategy) if axis == 0 else None
+    if backend is not None and backend.carries([tensor]):
+        (gathered,) = backend.finish(backend.start_all_gather(tensor))
+        return gathered
     return ctx.all_gather(tensor, axis=axis)
 
 
@@ -392,7 +401,8 @@ def reduce_scatter(flat, sum_dtype=None):
     len(flat) / N`): what an all-reduce computes, in 1/N of the memory and
     the bytes of half a ring all-reduce. Built from an all-to-all and a local
     sum (TensorFlow's own reduce-scatter resolves only on NCCL), on every
-    device kind.
+    device kind; the all-to-all goes through gloo where the strategy's sums
+    do (`core/gloo.py`), and the rows are summed here either way.
 
     Args:
         flat: A vector whose length is a multiple of the replica count.
@@ -407,8 +417,12 @@ def reduce_scatter(flat, sum_dtype=None):
     replicas = ctx.num_replicas_in_sync
     if replicas == 1:
         return flat if sum_dtype is None else tf.cast(flat, sum_dtype)
-    rows = tf.reshape(flat, [replicas, -1])
-    received = tf_internal.all_to_all(ctx.strategy, rows)
+    backend = gloo.group_for(ctx.strategy)
+    if backend is not None and backend.carries([flat]):
+        (received,) = backend.finish(backend.start_all_to_all(flat))
+    else:
+        rows = tf.reshape(flat, [replicas, -1])
+        received = tf_internal.all_to_all(ctx.strategy, rows)
     if sum_dtype is not None:
         received = tf.cast(received, sum_dtype)
     return tf.reduce_sum(tf.reshape(received, [replicas, -1]), axis=0)

@@ -7,12 +7,21 @@ take 0.21-0.24 s that way (subdivided, `collectives.RING_SUBDIVS`) and 0.07-
 0.09 s with gloo over plain TCP, the backend PyTorch's DDP uses on CPUs
 (docs/benchmarks/ddp.md). With `KERAS_DIST_COLLECTIVES=gloo` in every
 worker's environment, the sums of `collectives.all_reduce_sum` and
-`all_reduce_flat` (every hook's dense buckets, and the step's metric sums)
-of a `MultiWorkerMirroredStrategy` with one device per worker travel
-through a gloo process group instead, unless they are traced inside a
-`tf.cond` or `tf.while_loop` (`GlooGroup.carries`); everything else
-(gathers, the batch-size and norm reductions, sharded optimizer state,
-sparse gradients) stays on TensorFlow's collectives.
+`all_reduce_flat` (every hook's dense buckets, and the step's metric sums),
+and the all-to-all of `collectives.reduce_scatter` and the static-shaped
+`collectives.all_gather` (the sharded optimizer's gradients and updated
+slices) of a `MultiWorkerMirroredStrategy` with one device per worker
+travel through a gloo process group instead, unless they are traced inside
+a `tf.cond` or `tf.while_loop` (`GlooGroup.carries`); everything else (the
+batch-size and norm reductions, sparse gradients, gathers of sizes known
+only when the step runs) stays on TensorFlow's collectives.
+
+Both the reduce-scatter and the all-gather are gloo all-to-alls: gloo's own
+`reduce_scatter` and `allgather` took 2-3x as long as its all-to-all
+between 2 processes here (100 MB: 183-236 and 163-187 ms against 38-55
+ms), so the reduce-scatter receives every peer's rows and sums them in
+TensorFlow (in the order TensorFlow's path sums them: the same bits), and
+the all-gather sends its slice to every peer.
 
 How: a bucket's tensors are handed to a `tf.numpy_function` that copies
 them into one buffer of its own (TensorFlow shares the inputs' memory with
@@ -42,6 +51,7 @@ https://download.pytorch.org/whl/cpu`).
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import os
 import sys
@@ -67,9 +77,9 @@ _GLOO_DTYPES = frozenset(
 # Without a strategy timeout: gloo's (and `torch.distributed`'s) default.
 DEFAULT_TIMEOUT_SECONDS = 1800.0
 _KEY_PREFIX = "keras_dist/gloo/"
-# Starts the error a failed gloo all-reduce raises in its step (TensorFlow
+# Starts the error a failed gloo collective raises in its step (TensorFlow
 # reports it as an `UnknownError` of the `tf.numpy_function`).
-FAILURE = "keras_dist's gloo all-reduce failed"
+FAILURE = "keras_dist's gloo collective failed"
 # TensorFlow takes an array returned by a `tf.numpy_function` without a copy
 # only when its memory is aligned to EIGEN_MAX_ALIGN_BYTES (64 with AVX-512;
 # `NdarrayToTensor`): for 100 MB, 0.2 ms against 17 ms here.
@@ -248,8 +258,9 @@ def _import_torch():
 class GlooGroup:
     """One worker's member of a gloo process group of a strategy's workers.
 
-    Made by `connect`. `calls` and `bytes` count the all-reduces it ran and
-    the bytes it summed.
+    Made by `connect`. `calls` and `bytes` count the collectives it ran and
+    the bytes it was given; `ops` counts them by kind (`"all_reduce"`,
+    `"all_to_all"`, `"all_gather"`).
 
     Args:
         rank: Int, this worker's index (the strategy's replica order).
@@ -267,6 +278,7 @@ class GlooGroup:
         self.timeout = timeout
         self.calls = 0
         self.bytes = 0
+        self.ops: dict = {}
         self._store = store
         # gloo's sockets bind where TensorFlow's server of this task listens,
         # or to the interface `GLOO_SOCKET_IFNAME` names, as in PyTorch.
@@ -343,16 +355,43 @@ class GlooGroup:
         DDP's do.
         """
         tensors = [tf.convert_to_tensor(t) for t in tensors]
+        return self._issue("all_reduce", tensors, [t.shape for t in tensors])
+
+    def start_all_to_all(self, flat) -> _Pending:
+        """Starts an all-to-all of a vector of `size * k` elements.
+
+        Worker `i` receives the `i`-th of the `size` equal pieces of every
+        worker's `flat`, in worker order: `finish` returns one vector of
+        `flat`'s length, whose `j`-th piece came from worker `j` (what
+        TensorFlow's all-to-all returns). Ordered with the other starts.
+        """
+        flat = tf.convert_to_tensor(flat)
+        return self._issue("all_to_all", [flat], [flat.shape])
+
+    def start_all_gather(self, tensor) -> _Pending:
+        """Starts an all-gather of `tensor` along its first axis.
+
+        `finish` returns every worker's `tensor` concatenated in worker
+        order (shape `[size * d0, ...]`). Ordered with the other starts.
+        """
+        tensor = tf.convert_to_tensor(tensor)
+        shape = tf.TensorShape([self.size * tensor.shape[0], *tensor.shape[1:]])
+        return self._issue("all_gather", [tensor], [shape])
+
+    def _issue(self, op, tensors, out_shapes) -> _Pending:
         graph = tf.compat.v1.get_default_graph()
         previous = self._last.get(graph)
         with tf.control_dependencies([] if previous is None else [previous]):
             ticket = tf.numpy_function(
-                self._start, tensors, tf.int64, stateful=True, name="gloo_start"
+                functools.partial(self._start, op),
+                tensors,
+                tf.int64,
+                stateful=True,
+                name=f"gloo_{op}_start",
             )
         self._last[graph] = ticket
-        shapes = [t.shape for t in tensors]
-        size = sum(shape.num_elements() for shape in shapes)
-        return _Pending(ticket, shapes, tensors[0].dtype, tf.TensorShape([size]))
+        size = sum(shape.num_elements() for shape in out_shapes)
+        return _Pending(ticket, out_shapes, tensors[0].dtype, tf.TensorShape([size]))
 
     def finish(self, pending: _Pending) -> list:
         """Waits for a bucket's sum; its tensors, in the order given to `start`.
@@ -378,39 +417,60 @@ class GlooGroup:
             for shape, part in zip(pending.shapes, tf.split(summed, sizes), strict=True)
         ]
 
-    def _start(self, *arrays):
+    def _start(self, op, *arrays):
         # TensorFlow hands over memory other ops may still read: the sum is
-        # made in a buffer of its own, which `_finish` hands back.
-        buffer = self._buffers.take(sum(a.size for a in arrays), arrays[0].dtype)
-        np.concatenate([a.reshape(-1) for a in arrays], out=buffer)
-        torch = self._torch
-        if buffer.dtype.name == "bfloat16":
-            tensor = torch.from_numpy(buffer.view(np.int16)).view(torch.bfloat16)
+        # made in a buffer of its own, which `_finish` hands back. An all-
+        # to-all and an all-gather write into a second one (their input is
+        # kept alive with the work until it is done).
+        size = sum(a.size for a in arrays)
+        dtype = arrays[0].dtype
+        if op == "all_gather":
+            # Every peer gets this worker's tensor: an all-to-all of it
+            # repeated (gloo's allgather is the slower path, see above).
+            sent = self._buffers.take(size * self.size, dtype)
+            sent.reshape(self.size, size)[:] = arrays[0].reshape(1, -1)
         else:
-            tensor = torch.from_numpy(buffer)
+            sent = self._buffers.take(size, dtype)
+            np.concatenate([a.reshape(-1) for a in arrays], out=sent)
+        received = sent
+        if op != "all_reduce":
+            received = self._buffers.take(sent.size, dtype)
         work = None
-        if buffer.size:
+        if sent.size:
             try:
-                work = self._group.allreduce([tensor])
+                if op == "all_reduce":
+                    work = self._group.allreduce([self._tensor(sent)])
+                else:
+                    work = self._group.alltoall_base(
+                        self._tensor(received), self._tensor(sent), [], []
+                    )
             except RuntimeError as error:
                 raise self._failed(error) from error
         with self._tickets_lock:
             self.calls += 1
-            self.bytes += buffer.nbytes
+            self.bytes += size * dtype.itemsize
+            self.ops[op] = self.ops.get(op, 0) + 1
             ticket = self._next_ticket
             self._next_ticket += 1
-            self._in_flight[ticket] = (buffer, work)
+            self._in_flight[ticket] = (received, work, sent)
         return np.int64(ticket)
+
+    def _tensor(self, buffer):
+        """A torch tensor sharing `buffer`'s memory (bfloat16 included)."""
+        torch = self._torch
+        if buffer.dtype.name == "bfloat16":
+            return torch.from_numpy(buffer.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(buffer)
 
     def _finish(self, ticket):
         with self._tickets_lock:
-            buffer, work = self._in_flight.pop(int(ticket))
+            received, work, _ = self._in_flight.pop(int(ticket))
         if work is not None:
             try:
                 work.wait()
             except RuntimeError as error:
                 raise self._failed(error) from error
-        return buffer
+        return received
 
     def _failed(self, error) -> RuntimeError:
         return RuntimeError(
@@ -479,7 +539,7 @@ def _aligned_empty(size: int, dtype) -> np.ndarray:
 
 
 def is_failure(error) -> bool:
-    """Whether `error` (a `tf.errors.OpError`) is a failed gloo all-reduce."""
+    """Whether `error` (a `tf.errors.OpError`) is a failed gloo collective."""
     return isinstance(error, tf.errors.UnknownError) and FAILURE in str(error.message)
 
 
