@@ -119,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 grace_period=args.grace_period,
                 max_restarts=args.max_restarts,
                 collective_timeout=args.collective_timeout,
+                collectives=args.collectives,
                 tf_logs=args.tf_logs,
                 discover=args.discover,
                 log_dir=args.log_dir,
@@ -195,7 +196,8 @@ def _build_parser() -> argparse.ArgumentParser:
             f"{PROG} launch --workers N|MIN:MAX [--discover COMMAND] [--ps M] "
             "[--chief] [--host HOST] [--grace-period SECONDS] [--max-restarts N] "
             "[--log-dir DIR] [--only-chief] "
-            "[--collective-timeout SECONDS] [--tf-logs] -- COMMAND [ARG ...]"
+            "[--collective-timeout SECONDS] [--collectives {tensorflow,gloo}] "
+            "[--tf-logs] -- COMMAND [ARG ...]"
         ),
     )
     launch_parser.add_argument(
@@ -294,6 +296,19 @@ def _build_parser() -> argparse.ArgumentParser:
             "seconds a collective may wait for a peer before it fails, given "
             "to the tasks as KERAS_DIST_COLLECTIVE_TIMEOUT (default: the "
             f"variable if set, else {DEFAULT_COLLECTIVE_TIMEOUT:g})"
+        ),
+    )
+    launch_parser.add_argument(
+        "--collectives",
+        choices=cluster_lib.COLLECTIVE_BACKENDS,
+        default=None,
+        help=(
+            "what carries the sums between CPU worker tasks: tensorflow (its "
+            "collectives) or gloo (PyTorch's gloo: faster on a fast network, "
+            "see the cluster guide; needs PyTorch in every task), given to the "
+            "tasks as "
+            f"{cluster_lib.COLLECTIVES_ENV_VAR} (default: the variable if set, "
+            "else tensorflow)"
         ),
     )
     _add_tf_logs_argument(launch_parser, "the tasks' output")

@@ -43,6 +43,43 @@ _CONNECT_TIMEOUT = 1.0
 # Seconds a collective may wait for a peer: read by `auto_strategy` when its
 # `collective_timeout` is `None`, set by `keras-dist launch` for its tasks.
 COLLECTIVE_TIMEOUT_ENV_VAR = "KERAS_DIST_COLLECTIVE_TIMEOUT"
+# What carries a CPU multi-worker strategy's sums (`keras_dist.core.gloo`):
+# read by every worker, set by `keras-dist launch --collectives`.
+COLLECTIVES_ENV_VAR = "KERAS_DIST_COLLECTIVES"
+COLLECTIVE_BACKENDS = ("tensorflow", "gloo")
+
+
+def check_collectives(value, argument: str = "collectives"):
+    """Returns a collective backend's name after checking it, or `None`.
+
+    The one check of `KERAS_DIST_COLLECTIVES`, `keras_dist.launcher.launch(
+    collectives=...)` and `keras-dist launch --collectives`. Case and
+    surrounding spaces are ignored; `None` and `""` mean "not given".
+
+    Args:
+        value: What was received.
+        argument: String. The name the error gives it. Defaults to
+            `"collectives"`.
+
+    Returns:
+        `"tensorflow"`, `"gloo"` or `None`.
+
+    Raises:
+        ValueError: `value` names no backend.
+    """
+    if value is None:
+        return None
+    name = str(value).strip().lower() if isinstance(value, str) else None
+    if name == "":
+        return None
+    if name not in COLLECTIVE_BACKENDS:
+        raise ValueError(
+            f"{argument} must be one of {list(COLLECTIVE_BACKENDS)}. Received: "
+            f"{value!r}. `tensorflow` (the default) sums through TensorFlow's "
+            "collectives, `gloo` through PyTorch's gloo (CPU workers, needs "
+            "PyTorch in every task)."
+        )
+    return name
 
 
 def check_collective_timeout(value, hint: str = "It is in seconds."):

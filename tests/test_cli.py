@@ -194,6 +194,10 @@ def test_module_launcher_stops_its_tasks_on_sigint(tmp_path):
             ["launch", "--workers", "1", "--collective-timeout", "-2", "--", "true"],
             "Received: '-2'",
         ),
+        (
+            ["launch", "--workers", "1", "--collectives", "nccl", "--", "true"],
+            "--collectives: invalid choice: 'nccl'",
+        ),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
@@ -397,6 +401,54 @@ def test_restart_options_reach_the_launcher(tmp_path, capsys):
     assert status == 0, captured.err
     assert task_lines(captured.out, "worker:0") == ["timeout 7.5", "timeout 7.5"]
     assert "restart 1 of 1: worker:0 failed with exit code 3" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "environment", "expected"),
+    [
+        (["--collectives", "gloo"], {}, "gloo"),
+        # The flag wins over the variable; without either, nothing is set
+        # (the tasks' TensorFlow collectives).
+        (
+            ["--collectives", "tensorflow"],
+            {"KERAS_DIST_COLLECTIVES": "gloo"},
+            "tensorflow",
+        ),
+        ([], {"KERAS_DIST_COLLECTIVES": "gloo"}, "gloo"),
+        ([], {}, "unset"),
+    ],
+)
+def test_the_collectives_flag_reaches_every_task(
+    argv, environment, expected, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv("KERAS_DIST_COLLECTIVES", raising=False)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    script = write_script(
+        tmp_path,
+        "backend.py",
+        """
+        import os
+        print("collectives", os.environ.get("KERAS_DIST_COLLECTIVES", "unset"))
+        """,
+    )
+
+    status = cli.main(["launch", "--workers", "2", *argv, "--", sys.executable, script])
+
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    for task in ("worker:0", "worker:1"):
+        assert task_lines(captured.out, task) == [f"collectives {expected}"]
+
+
+def test_a_bad_collectives_variable_is_refused_once_by_the_launcher(monkeypatch):
+    from keras_dist.launcher import supervisor
+
+    monkeypatch.setenv("KERAS_DIST_COLLECTIVES", "mpi")
+    with pytest.raises(ValueError, match=r"KERAS_DIST_COLLECTIVES must be one of"):
+        supervisor.launch(["true"], workers=1)
+    with pytest.raises(ValueError, match=r"collectives must be one of .* 'MPI'"):
+        supervisor.launch(["true"], workers=1, collectives="MPI")
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-1"])

@@ -90,6 +90,7 @@ KERAS_FREE = {
     "keras_dist.core.": {
         "keras_dist._validation",
         "keras_dist._versions",
+        "keras_dist.cluster",
         "keras_dist._compat.tf_internal",
     },
     "keras_dist.tf_keras": {

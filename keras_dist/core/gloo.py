@@ -64,11 +64,16 @@ import tensorflow as tf
 
 from keras_dist._compat import tf_internal
 from keras_dist._versions import TESTED_TORCH as TORCH_VERSION
+from keras_dist.cluster import (
+    COLLECTIVE_BACKENDS,
+    COLLECTIVES_ENV_VAR,
+    check_collectives,
+)
 from keras_dist.core import watchdog
 from keras_dist.core.topology import local_replicas
 
-ENV_VAR = "KERAS_DIST_COLLECTIVES"
-BACKENDS = ("tensorflow", "gloo")
+ENV_VAR = COLLECTIVES_ENV_VAR
+BACKENDS = COLLECTIVE_BACKENDS
 
 # gloo sums these; a bucket of another dtype stays on TensorFlow's collective.
 _GLOO_DTYPES = frozenset(
@@ -100,15 +105,7 @@ def requested_backend() -> str:
     Raises:
         ValueError: the variable names no backend.
     """
-    value = os.environ.get(ENV_VAR, "").strip().lower()
-    if not value:
-        return "tensorflow"
-    if value not in BACKENDS:
-        raise ValueError(
-            f"{ENV_VAR} must be one of {list(BACKENDS)}. Received: "
-            f"{os.environ[ENV_VAR]!r}. Unset it for TensorFlow's collectives."
-        )
-    return value
+    return check_collectives(os.environ.get(ENV_VAR), ENV_VAR) or "tensorflow"
 
 
 def enable_if_requested(strategy) -> bool:

@@ -81,6 +81,7 @@ def launch(
     grace_period: float = DEFAULT_GRACE_PERIOD,
     max_restarts: int | None = None,
     collective_timeout: float | None = None,
+    collectives: str | None = None,
     environ: Mapping[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
@@ -194,6 +195,13 @@ def launch(
             `keras_dist.auto_strategy`). `None` keeps the variable when the
             environment has it, else uses `DEFAULT_COLLECTIVE_TIMEOUT` (300
             s). Defaults to `None`.
+        collectives: String or `None`. What carries the sums of the tasks'
+            CPU multi-worker strategies: `"tensorflow"` (its collectives) or
+            `"gloo"` (PyTorch's gloo: faster on a fast network, needs
+            PyTorch in every task; see the cluster guide), given to the
+            tasks as `KERAS_DIST_COLLECTIVES`. `None` keeps the variable
+            when the environment has it (TensorFlow's otherwise). Defaults
+            to `None`.
         environ: Mapping or `None`. Base environment for the tasks; `None`
             uses `os.environ`. Defaults to `None`.
         stdout: Text stream or `None`. Where the prefixed task output goes;
@@ -273,6 +281,7 @@ def launch(
         max_restarts = DEFAULT_ELASTIC_RESTARTS if elastic_default else 0
     max_restarts = check_int("max_restarts", max_restarts, minimum=0)
     collective_timeout = cluster_lib.check_collective_timeout(collective_timeout)
+    collectives = cluster_lib.check_collectives(collectives)
     coordinated = bool(ps and chief)
     if max_restarts and ps and not chief:
         raise ValueError(
@@ -298,6 +307,13 @@ def launch(
             "(--max-restarts sets another number).",
         )
     env = dict(os.environ if environ is None else environ)
+    if collectives is not None:
+        env[cluster_lib.COLLECTIVES_ENV_VAR] = collectives
+    else:
+        # A bad value would fail every task the same way: say it once here.
+        cluster_lib.check_collectives(
+            env.get(cluster_lib.COLLECTIVES_ENV_VAR), cluster_lib.COLLECTIVES_ENV_VAR
+        )
     if collective_timeout is not None:
         env[COLLECTIVE_TIMEOUT_ENV_VAR] = f"{collective_timeout:g}"
     else:
