@@ -297,13 +297,21 @@ def worker_main(job):
         os.path.join(job["side"], f".task{task}.json"),
         os.path.join(job["side"], f"task{task}.json"),
     )
+    # Nobody exits before every task's last collective is done: task 0
+    # waits for the others' files, the others for task 0's "done" (a task
+    # that exits while its peer still pulls a chunk from it fails the peer).
+    done = os.path.join(job["side"], "done")
+    deadline = time.monotonic() + 300
     if task == 0:
         workers = 1 if logical else 2
-        deadline = time.monotonic() + 300
         while (
             time.monotonic() < deadline
             and len(glob.glob(os.path.join(job["side"], "task*.json"))) < workers
         ):
+            time.sleep(0.2)
+        open(done, "w").close()
+    else:
+        while time.monotonic() < deadline and not os.path.exists(done):
             time.sleep(0.2)
     harness.finish_job(job, result)
 
