@@ -30,8 +30,10 @@ inside a private network namespace whose loopback is unshaped or shaped to
 alternating repeat by repeat; each MPI runs in processes of its own, right
 after them. Ops on float32 vectors of `--sizes` bytes (the whole vector:
 the all-reduce's, the reduce-scatter's input, the all-gather's output), on
-`--workers` processes, unshaped and at `--rate`. Columns as nccl-tests:
-time (median over repeats, worker 0), algbw = size / time, busbw = algbw *
+`--workers` processes (4 on this 2-core machine are oversubscribed),
+unshaped and at `--rate` (there, 4 workers stop at 64 MB,
+`--shaped-max-size 4=64M`: a 256 MB all-reduce takes 13 s). Columns as
+nccl-tests: time (median over repeats, worker 0), algbw = size / time, busbw = algbw *
 2(N-1)/N for the all-reduce and algbw * (N-1)/N for the others (MB/s,
 10^6 bytes). The floor beside it: at `--rate`, every rank's bytes cross the
 one shaped loopback, so the best busbw is rate / N; unshaped, a single TCP
@@ -59,8 +61,11 @@ need `libfabric>=2.6`, which is not on PyPI, hence `impi-rt==2021.18.1`:
         impi-rt==2021.18.1
 
 A missing prefix is reported and skipped. pygloo (wheels for CPython <=
-3.10 only) and oneCCL (a C++ runtime on PyPI; its PyTorch binding is not on
-PyPI) are not measured: `docs/benchmarks/collectives.md` says why.
+3.10 only) and oneCCL (the `oneccl-cpu` wheels lack the `libccl.so.2` their
+library needs; the `oneccl` wheel's needs a `libsycl.so.8` that the
+`intel-sycl-rt` pip picks for it lacks; its PyTorch binding is not on PyPI)
+are not measured:
+`docs/benchmarks/collectives.md` says why.
 
 Needs root, iproute2 and PyTorch (`pip install ".[bench]"`):
 
@@ -113,8 +118,10 @@ IMPL_LABELS = {
 }
 IN_PROCESS = ("tf-whole", "tf", "gloo", "gloo-a2a")
 # Per MPI: the environment that keeps its bytes on TCP, and extra mpiexec
-# arguments. Open MPI refuses root without the two variables, and leaves
-# the loopback out of its TCP interfaces unless told.
+# arguments. Open MPI refuses root without the two variables, leaves the
+# loopback out of its TCP interfaces unless told, and refuses more ranks
+# than cores unless told. No MPI pins its ranks to cores (Open MPI and
+# Intel MPI would by default): TensorFlow's and gloo's processes are not.
 MPIS = {
     "mpich": {
         "env": {
@@ -132,9 +139,12 @@ MPIS = {
             "OMPI_ALLOW_RUN_AS_ROOT": "1",
             "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         },
+        "args": ["--map-by", ":OVERSUBSCRIBE", "--bind-to", "none"],
+    },
+    "impi": {
+        "env": {"I_MPI_FABRICS": "ofi", "FI_PROVIDER": "tcp", "I_MPI_PIN": "0"},
         "args": [],
     },
-    "impi": {"env": {"I_MPI_FABRICS": "ofi", "FI_PROVIDER": "tcp"}, "args": []},
 }
 COLORS = {
     "tf-whole": "#9467bd",
@@ -226,9 +236,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--shaped-max-size",
         nargs="+",
-        default=[],
+        default=["4=64M"],
         metavar="N=SIZE",
-        help="Largest size on the shaped link per worker count (e.g. 4=64M).",
+        help="Largest size on the shaped link per worker count (4=64M).",
     )
     parser.add_argument("--impls", nargs="+", choices=list(IMPLS), default=list(IMPLS))
     parser.add_argument("--seconds-per-point", type=float, default=1.0)
@@ -660,13 +670,20 @@ def failure_rank(job):
         try:
             call()
         except Exception as error:  # what the survivor sees is the result
-            note("error", type=type(error).__name__, message=str(error)[:600])
+            note("error", type=type(error).__name__, message=error_text(error))
             break
         if index == FAILURE_CALLS_BEFORE - 1:
             note("calls_done", calls=index + 1)
         time.sleep(0.05)
     sys.stdout.flush()
     os._exit(0)
+
+
+def error_text(error) -> str:
+    """An error's message without TensorFlow's trace of the failing node."""
+    trace = ("File ", "Graph execution error", "Detected at node")
+    lines = [line.strip() for line in str(error).splitlines()]
+    return " ".join(line for line in lines if line and not line.startswith(trace))
 
 
 def failure_supervisor(job):
@@ -683,6 +700,7 @@ def failure_supervisor(job):
     processes, logs = [], []
     if job["impl"] in MPIS:
         code, output = mpiexec(job, rank_job, 2, deadline)
+        launcher_end = time.time()
         launcher = (
             f"mpiexec still running after {deadline:g} s (killed)"
             if code is None
@@ -705,13 +723,12 @@ def failure_supervisor(job):
             )
             logs.append(log)
         survivor = processes[0]
+        launcher, launcher_end = "none (plain processes)", None
         try:
             survivor.wait(timeout=deadline + 60)  # + start-up
             survivor_exit = survivor.returncode
-            launcher = "none (plain processes)"
         except subprocess.TimeoutExpired:
             survivor_exit = None
-            launcher = "none (plain processes)"
         for process in processes:
             if process.poll() is None:
                 os.kill(process.pid, signal.SIGCONT)
@@ -743,6 +760,8 @@ def failure_supervisor(job):
     last = recorded[-1] if recorded else {}
     if peer_time is not None and last.get("event") in ("error", "signal"):
         outcome["seconds_to_detect"] = last["time"] - peer_time
+    if peer_time is not None and launcher_end is not None and code is not None:
+        outcome["seconds_to_launcher_exit"] = launcher_end - peer_time
     harness.finish_job(job, outcome)
 
 
@@ -824,7 +843,7 @@ def run_condition(args, link: str, workers: int, mpis: dict):
             name=f"collectives_{name}_{impl}",
         )
         rows += result["rows"]
-        versions[impl] = result["library"].splitlines()[0]
+        versions[impl] = result["library"].replace("\x00", "").splitlines()[0]
     for row in rows:
         row.update(link=link, workers=workers, rate=rate)
         add_bandwidths(row)
@@ -852,7 +871,11 @@ def run_floor(args, link: str) -> dict:
 
 
 def run_failures(args, mpis: dict) -> list[dict]:
-    impls = ["tf", "gloo", *(impl for impl, why in mpis.items() if not why)]
+    impls = [
+        *(["tf"] if {"tf", "tf-whole"} & set(args.impls) else []),
+        *(["gloo"] if {"gloo", "gloo-a2a"} & set(args.impls) else []),
+        *(impl for impl, why in mpis.items() if not why),
+    ]
     outcomes = []
     for impl in impls:
         for mode in ("kill", "hang"):
@@ -886,14 +909,19 @@ def failure_summary(outcome: dict) -> str:
     detect = outcome.get("seconds_to_detect")
     after = "" if detect is None else f" after {detect:.1f} s"
     if last.get("event") == "error":
-        first_line = last["message"].strip().splitlines()[0][:160]
-        return f"survivor raised {last['type']}{after}: {first_line}"
+        return f"survivor raised {last['type']}{after}: {last['message'][:240]}"
     if last.get("event") == "signal":
         return f"survivor got {last['signal']}{after} (launcher: {outcome['launcher']})"
     if outcome["survivor_exit"] not in (None, 0):
         return f"survivor died, exit {outcome['survivor_exit']}"
     if not outcome["peer_signalled"]:
         return "the test did not reach the peer's failure"
+    ended = outcome.get("seconds_to_launcher_exit")
+    if ended is not None:
+        return (
+            f"no error in the survivor: {outcome['launcher']} {ended:.1f} s "
+            "after the peer's death, killing the survivor"
+        )
     return (
         f"survivor still blocked after {outcome['wall_seconds']:.0f} s "
         f"(launcher: {outcome['launcher']}); killed"
@@ -937,7 +965,7 @@ def format_tables(report: dict) -> str:
                         ]
                         if match:
                             line += [
-                                f"{match[0]['median_seconds'] * 1e3:.3g}",
+                                milliseconds(match[0]["median_seconds"]),
                                 f"{match[0]['busbw_mb_s']:.4g}",
                             ]
                         else:
@@ -951,6 +979,11 @@ def format_tables(report: dict) -> str:
                 )
                 parts.append(title + "\n\n" + harness.table(header, body))
     return "\n\n".join(parts)
+
+
+def milliseconds(seconds: float) -> str:
+    value = seconds * 1e3
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def link_label(link: str, rate) -> str:
@@ -1031,10 +1064,8 @@ def plot(plt, report, path):
             if label not in labels:
                 handles.append(handle)
                 labels.append(label)
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8)
-    fig.subplots_adjust(top=0.95)
-    path = harness.save_figure(fig, path)
-    return path
+    axes[0][0].legend(handles, labels, fontsize=7, loc="lower right")
+    return harness.save_figure(fig, path)
 
 
 def run(args, report):
