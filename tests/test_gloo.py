@@ -29,8 +29,7 @@ pytest.importorskip("torch", reason="the gloo backend needs PyTorch (extra `test
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # The MLP of helpers.py: Dense(8 -> 16) and Dense(16 -> 3), float32.
-MLP_PARAMETERS = 8 * 16 + 16 + 16 * 3 + 3
-MLP_BYTES = MLP_PARAMETERS * 4
+MLP_BYTES = (8 * 16 + 16 + 16 * 3 + 3) * 4
 
 
 @pytest.mark.multiworker
@@ -76,17 +75,15 @@ def test_gloo_sums_equal_tensorflow_collectives_exactly():
     # Per step, one all-reduce of the step's metric values (6 float32: the
     # loss's and accuracy's sums and counts, trainer/logs.py) and the
     # gradients': the whole model uncompressed, one per variable in 1-byte
-    # buckets. FP16 and BF16 (whose step's logs carry one more float32
-    # value): the 16-bit gradients padded to a multiple of the 2 workers in
-    # an all-to-all, then each worker's half of the sums in an all-gather.
+    # buckets, half the bytes for FP16 and BF16 (whose step's logs carry one
+    # more float32 value).
     logs = 6 * 4
     assert with_gloo[0][0]["gloo"] == (2 * steps, steps * (MLP_BYTES + logs))
     assert with_gloo[0][1]["gloo"] == (5 * steps, steps * (MLP_BYTES + logs))
-    padded = 2 * -(-MLP_PARAMETERS // 2)
     for index in (2, 3):
         assert with_gloo[0][index]["gloo"] == (
-            3 * steps,
-            steps * (2 * padded + padded + logs + 4),
+            2 * steps,
+            steps * (MLP_BYTES // 2 + logs + 4),
         )
     # PowerSGD from the first step: its factors and uncompressed biases in
     # gloo (fewer bytes than the model); behind the cond, the metric sums

@@ -29,11 +29,7 @@ their other consumers) and starts a gloo all-reduce of it; a second one
 waits for it and hands the buffer back to TensorFlow without a copy (it is
 aligned as TensorFlow needs for that). A step starts all its buckets
 before it waits for any, so their all-reduces overlap each other and the
-backward pass, as DDP's do. A bucket of 16-bit floats (the FP16 and BF16
-hooks) is not summed by gloo, which adds them one element at a time: it
-travels as 16 bits in an all-to-all, TensorFlow sums the received rows in
-float32, and an all-gather of the 16-bit sums follows (the bytes of one
-ring all-reduce).
+backward pass, as DDP's do.
 Every worker starts the same buckets in the same order (gloo matches
 collectives by order): the starts are stateful and chained by control
 dependencies, so they run in program order. The process group is made the
@@ -83,8 +79,6 @@ BACKENDS = COLLECTIVE_BACKENDS
 _GLOO_DTYPES = frozenset(
     [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64]
 )
-# Summed in float32 by TensorFlow between two all-to-alls (`GlooGroup.start`).
-_HALF_DTYPES = frozenset([tf.float16, tf.bfloat16])
 # Without a strategy timeout: gloo's (and `torch.distributed`'s) default.
 DEFAULT_TIMEOUT_SECONDS = 1800.0
 _KEY_PREFIX = "keras_dist/gloo/"
@@ -358,19 +352,7 @@ class GlooGroup:
         DDP's do.
         """
         tensors = [tf.convert_to_tensor(t) for t in tensors]
-        shapes = [t.shape for t in tensors]
-        if tf.as_dtype(tensors[0].dtype) not in _HALF_DTYPES or self.size == 1:
-            return self._issue("all_reduce", tensors, shapes)
-        # 16-bit floats: gloo adds them one element at a time, slower than
-        # it sends them (21M float16 took longer than 21M float32 here).
-        # They travel as 16 bits all the same: an all-to-all of the pieces,
-        # summed here in float32 (`finish`), and an all-gather of the sums.
-        flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
-        total = flat.shape[0]
-        piece = -(-total // self.size)
-        flat = tf.pad(flat, [[0, piece * self.size - total]])
-        pending = self._issue("all_to_all", [flat], [flat.shape])
-        return pending._replace(shapes=shapes, halves=(piece, total))
+        return self._issue("all_reduce", tensors, [t.shape for t in tensors])
 
     def start_all_to_all(self, flat) -> _Pending:
         """Starts an all-to-all of a vector of `size * k` elements.
@@ -418,34 +400,19 @@ class GlooGroup:
         does. A wait holds one of TensorFlow's inter-op threads until gloo's
         own threads finish the sum.
         """
-        summed = self._wait(pending)
-        if pending.halves is not None:
-            # The rows every worker sent this one, summed in float32 (the
-            # bits of a float16 sum for 2 workers), then gathered: the
-            # all-gather starts when this bucket's rows are in, after every
-            # bucket's all-to-all of the call has started.
-            piece, total = pending.halves
-            rows = tf.reshape(summed, [self.size, piece])
-            local = tf.cast(tf.reduce_sum(tf.cast(rows, tf.float32), 0), rows.dtype)
-            gathered = self._wait(self.start_all_gather(local))
-            summed = gathered[:total]
-        sizes = [int(np.prod(shape)) for shape in pending.shapes]
-        return [
-            tf.reshape(part, shape)
-            for shape, part in zip(pending.shapes, tf.split(summed, sizes), strict=True)
-        ]
-
-    def _wait(self, pending: _Pending):
-        """The flat result of one started collective (a stateless wait)."""
-        result = tf.numpy_function(
+        summed = tf.numpy_function(
             self._finish,
             [pending.ticket],
             pending.dtype,
             stateful=False,
             name="gloo_finish",
         )
-        result.set_shape(pending.flat_shape)
-        return result
+        summed.set_shape(pending.flat_shape)
+        sizes = [int(np.prod(shape)) for shape in pending.shapes]
+        return [
+            tf.reshape(part, shape)
+            for shape, part in zip(pending.shapes, tf.split(summed, sizes), strict=True)
+        ]
 
     def _start(self, op, *arrays):
         # TensorFlow hands over memory other ops may still read: the sum is
@@ -516,9 +483,6 @@ class _Pending(NamedTuple):
     shapes: list
     dtype: tf.DType
     flat_shape: tf.TensorShape
-    # A 16-bit sum's `(piece, total)`: each worker's piece of the padded
-    # bucket, and the bucket's elements (see `GlooGroup.start`).
-    halves: tuple | None = None
 
 
 class _Buffers:
