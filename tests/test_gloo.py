@@ -21,7 +21,7 @@ import workers
 from helpers import max_abs_diff
 
 from keras_dist import cluster
-from keras_dist.compression import BF16, FP16, NoCompression, PowerSGD
+from keras_dist.compression import BF16, DGC, FP16, NoCompression, PowerSGD, TopK
 from keras_dist.core import collectives, gloo
 from keras_dist.testing import run_workers
 
@@ -46,6 +46,9 @@ def test_gloo_sums_equal_tensorflow_collectives_exactly():
         # Plain sums for 2 steps, then compressed: the switch is a `tf.cond`
         # whose sums stay on TensorFlow's collectives.
         PowerSGD(rank=2, start_step=2),
+        # Index/value pairs of static size: an all-gather, through gloo.
+        TopK(ratio=0.2),
+        DGC(ratio=0.05, warmup_steps=0, clipnorm=1.0),
     ]
     configs = ([keras.saving.serialize_keras_object(h) for h in hooks],)
     with_gloo = run_workers(
@@ -91,6 +94,10 @@ def test_gloo_sums_equal_tensorflow_collectives_exactly():
     calls, nbytes = with_gloo[0][4]["gloo"]
     assert calls > 2 * steps and nbytes < steps * (MLP_BYTES + logs)
     assert with_gloo[0][5]["gloo"] == (steps, steps * (logs + 4))
+    # TopK and DGC: the pairs' all-gather too (fewer bytes than the model).
+    for index in (6, 7):
+        calls, nbytes = with_gloo[0][index]["gloo"]
+        assert calls == 2 * steps, hooks[index]
 
 
 @pytest.mark.multiworker
