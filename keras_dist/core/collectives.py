@@ -305,19 +305,29 @@ def _sum_by_bucket(tensors, sum_group, bucket_bytes):
     # With KERAS_DIST_COLLECTIVES=gloo, the dense buckets of a multi-worker
     # CPU strategy go through gloo (core/gloo.py): all are started before
     # any is waited for, so their all-reduces overlap, as DDP's do.
-    backend = gloo.group_for(ctx.strategy)
     started = []
     for bucket in plan_buckets(tensors, bucket_bytes):
         group = [tensors[i] for i in bucket]
-        if backend is not None and backend.carries(group):
-            started.append((bucket, backend.start(group)))
+        backend = _gloo_carrying(ctx, group)
+        if backend is not None:
+            started.append((bucket, backend, backend.start(group)))
             continue
         for i, value in zip(bucket, sum_group(ctx, group)):
             result[i] = value
-    for bucket, pending in started:
+    for bucket, backend, pending in started:
         for i, value in zip(bucket, backend.finish(pending)):
             result[i] = value
     return result
+
+
+def _gloo_carrying(ctx, tensors):
+    """The gloo group that carries this collective of `tensors`, or `None`
+    (TensorFlow's): where the strategy's sums go through gloo and gloo can
+    take these tensors here (`GlooGroup.carries`)."""
+    backend = gloo.group_for(ctx.strategy)
+    if backend is None or not backend.carries(tensors):
+        return None
+    return backend
 
 
 def all_gather(tensor, axis=0):
@@ -329,8 +339,8 @@ def all_gather(tensor, axis=0):
     ctx = replica_context()
     if ctx.num_replicas_in_sync == 1:
         return tensor
-    backend = gloo.group_for(ctx.strategy) if axis == 0 else None
-    if backend is not None and backend.carries([tensor]):
+    backend = _gloo_carrying(ctx, [tensor]) if axis == 0 else None
+    if backend is not None:
         (gathered,) = backend.finish(backend.start_all_gather(tensor))
         return gathered
     return ctx.all_gather(tensor, axis=axis)
@@ -417,8 +427,8 @@ def reduce_scatter(flat, sum_dtype=None):
     replicas = ctx.num_replicas_in_sync
     if replicas == 1:
         return flat if sum_dtype is None else tf.cast(flat, sum_dtype)
-    backend = gloo.group_for(ctx.strategy)
-    if backend is not None and backend.carries([flat]):
+    backend = _gloo_carrying(ctx, [flat])
+    if backend is not None:
         (received,) = backend.finish(backend.start_all_to_all(flat))
     else:
         rows = tf.reshape(flat, [replicas, -1])

@@ -64,16 +64,11 @@ import tensorflow as tf
 
 from keras_dist._compat import tf_internal
 from keras_dist._versions import TESTED_TORCH as TORCH_VERSION
-from keras_dist.cluster import (
-    COLLECTIVE_BACKENDS,
-    COLLECTIVES_ENV_VAR,
-    check_collectives,
-)
+from keras_dist.cluster import COLLECTIVES_ENV_VAR, check_collectives
 from keras_dist.core import watchdog
 from keras_dist.core.topology import local_replicas
 
 ENV_VAR = COLLECTIVES_ENV_VAR
-BACKENDS = COLLECTIVE_BACKENDS
 
 # gloo sums these; a bucket of another dtype stays on TensorFlow's collective.
 _GLOO_DTYPES = frozenset(
