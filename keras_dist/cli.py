@@ -304,11 +304,12 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help=(
             "what carries the sums between CPU worker tasks: tensorflow (its "
-            "collectives) or gloo (PyTorch's gloo: faster on a fast network, "
-            "see the cluster guide; needs PyTorch in every task), given to the "
-            "tasks as "
+            "collectives), gloo (PyTorch's gloo: faster on a fast network, "
+            "see the cluster guide; needs PyTorch in every task) or auto "
+            "(gloo where PyTorch is installed and each task has one CPU "
+            "device, else tensorflow), given to the tasks as "
             f"{cluster_lib.COLLECTIVES_ENV_VAR} (default: the variable if set, "
-            "else tensorflow)"
+            "else auto)"
         ),
     )
     _add_tf_logs_argument(launch_parser, "the tasks' output")
@@ -499,7 +500,7 @@ def _run_demo(argv: list[str]) -> int:
     return 1
 
 
-def _collectives_lines(tf) -> list[str]:
+def _collectives_lines() -> list[str]:
     """What carries a multi-worker strategy's sums here, and a tip."""
     from keras_dist._versions import installed_version
     from keras_dist.core import gloo
@@ -509,23 +510,36 @@ def _collectives_lines(tf) -> list[str]:
         backend = gloo.requested_backend()
     except ValueError as error:
         return [f"Collectives:   cannot decide: {error}"]
+    install = (
+        f"`pip install torch=={gloo.TORCH_VERSION} --index-url "
+        "https://download.pytorch.org/whl/cpu`"
+    )
+    if backend == "tensorflow":
+        return [
+            "Collectives:   TensorFlow's (ring on CPU workers, NCCL on GPUs; "
+            f"{gloo.ENV_VAR}=tensorflow)"
+        ]
+    missing = gloo.gloo_missing()
     if backend == "gloo":
-        if torch is None:
+        if missing:
             return [
-                f"Collectives:   gloo ({gloo.ENV_VAR}=gloo), but PyTorch is not "
-                f"installed: `pip install torch=={gloo.TORCH_VERSION} --index-url "
-                "https://download.pytorch.org/whl/cpu`"
+                f"Collectives:   gloo ({gloo.ENV_VAR}=gloo), but {missing}: {install}"
             ]
         return [f"Collectives:   gloo ({gloo.ENV_VAR}=gloo; PyTorch {torch})"]
-    lines = ["Collectives:   TensorFlow's (ring on CPU workers, NCCL on GPUs)"]
-    if torch is not None and not tf.config.list_physical_devices("GPU"):
-        lines.append(
-            f"  tip:         {gloo.ENV_VAR}=gloo (PyTorch {torch} is installed) "
-            "sums CPU workers' gradients through gloo: a 21M-parameter MLP's "
-            "step 1.05x PyTorch DDP's, against 1.74x with TensorFlow's "
-            "collectives (2 workers, docs/benchmarks/ddp.md)"
-        )
-    return lines
+    if missing:
+        return [
+            f"Collectives:   TensorFlow's (auto: {missing}; ring on CPU "
+            "workers, NCCL on GPUs)",
+            f"  tip:         with PyTorch's CPU wheel ({install}) CPU workers "
+            "sum through gloo: a 21M-parameter MLP's step 1.05x PyTorch "
+            "DDP's, against 1.74x with TensorFlow's collectives (2 workers, "
+            "docs/benchmarks/ddp.md)",
+        ]
+    return [
+        f"Collectives:   gloo for workers with one CPU device (auto: PyTorch "
+        f"{torch} with gloo is installed), TensorFlow's otherwise (NCCL on "
+        f"GPUs); {gloo.ENV_VAR}=tensorflow to keep TensorFlow's"
+    ]
 
 
 def _run_env(tf_logs: bool = False) -> int:
@@ -576,7 +590,7 @@ def _run_env(tf_logs: bool = False) -> int:
         resolver = f" (resolver: {choice.resolver})" if choice.resolver else ""
         print(f"Strategy:      {choice.name}{resolver}")
         print(f"  because:     {choice.reason}")
-    for line in _collectives_lines(tf):
+    for line in _collectives_lines():
         print(line)
     growth = memory_lib.memory_growth_state()
     if growth:

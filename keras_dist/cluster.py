@@ -44,9 +44,11 @@ _CONNECT_TIMEOUT = 1.0
 # `collective_timeout` is `None`, set by `keras-dist launch` for its tasks.
 COLLECTIVE_TIMEOUT_ENV_VAR = "KERAS_DIST_COLLECTIVE_TIMEOUT"
 # What carries a CPU multi-worker strategy's sums (`keras_dist.core.gloo`):
-# read by every worker, set by `keras-dist launch --collectives`.
+# read by every worker, set by `keras-dist launch --collectives`. Unset means
+# `auto`: gloo where PyTorch (with gloo) is installed and each worker has one
+# CPU device, TensorFlow's collectives otherwise.
 COLLECTIVES_ENV_VAR = "KERAS_DIST_COLLECTIVES"
-COLLECTIVE_BACKENDS = ("tensorflow", "gloo")
+COLLECTIVE_BACKENDS = ("auto", "tensorflow", "gloo")
 
 
 def check_collectives(value, argument: str = "collectives"):
@@ -62,7 +64,7 @@ def check_collectives(value, argument: str = "collectives"):
             `"collectives"`.
 
     Returns:
-        `"tensorflow"`, `"gloo"` or `None`.
+        `"auto"`, `"tensorflow"`, `"gloo"` or `None`.
 
     Raises:
         ValueError: `value` names no backend.
@@ -75,9 +77,10 @@ def check_collectives(value, argument: str = "collectives"):
     if name not in COLLECTIVE_BACKENDS:
         raise ValueError(
             f"{argument} must be one of {list(COLLECTIVE_BACKENDS)}. Received: "
-            f"{value!r}. `tensorflow` (the default) sums through TensorFlow's "
-            "collectives, `gloo` through PyTorch's gloo (CPU workers, needs "
-            "PyTorch in every task)."
+            f"{value!r}. `tensorflow` sums through TensorFlow's collectives, "
+            "`gloo` through PyTorch's gloo (CPU workers, needs PyTorch in "
+            "every task), `auto` (the default) through gloo where PyTorch is "
+            "installed and each worker has one CPU device."
         )
     return name
 

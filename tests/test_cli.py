@@ -29,6 +29,7 @@ from helpers import (
 from tf_log_lines import native_log_lines
 
 from keras_dist import cli
+from keras_dist.core import gloo
 
 # Generous: a process that imports TensorFlow takes ~10 s on 2 busy cores.
 PROCESS_TIMEOUT = 120
@@ -235,20 +236,32 @@ def test_env_says_what_carries_the_sums(monkeypatch, capsys):
     from keras_dist._versions import installed_version
 
     monkeypatch.delenv("KERAS_DIST_COLLECTIVES", raising=False)
+    torch = installed_version("torch")
+    assert torch is not None  # the `test` extra installs it
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out
-    assert "Collectives:   TensorFlow's (ring on CPU workers, NCCL on GPUs)" in out
-    torch = installed_version("torch")
-    if torch is not None:
-        # CPUs only, PyTorch installed: what gloo would bring, measured.
-        assert f"KERAS_DIST_COLLECTIVES=gloo (PyTorch {torch} is installed)" in out
-        assert "1.05x PyTorch DDP's, against 1.74x" in out
-        monkeypatch.setenv("KERAS_DIST_COLLECTIVES", "gloo")
+    assert (
+        "Collectives:   gloo for workers with one CPU device (auto: PyTorch "
+        f"{torch} with gloo is installed), TensorFlow's otherwise" in out
+    )
+    monkeypatch.setenv("KERAS_DIST_COLLECTIVES", "gloo")
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert f"Collectives:   gloo (KERAS_DIST_COLLECTIVES=gloo; PyTorch {torch})" in out
+    monkeypatch.setenv("KERAS_DIST_COLLECTIVES", "tensorflow")
+    assert cli.main(["env"]) == 0
+    assert "Collectives:   TensorFlow's (ring on CPU" in capsys.readouterr().out
+    # Where PyTorch does not import: TensorFlow's, and what gloo would bring.
+    monkeypatch.delenv("KERAS_DIST_COLLECTIVES")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    gloo.gloo_missing.cache_clear()
+    try:
         assert cli.main(["env"]) == 0
-        out = capsys.readouterr().out
-        assert (
-            f"Collectives:   gloo (KERAS_DIST_COLLECTIVES=gloo; PyTorch {torch})" in out
-        )
+    finally:
+        gloo.gloo_missing.cache_clear()
+    out = capsys.readouterr().out
+    assert "Collectives:   TensorFlow's (auto: PyTorch is not installed;" in out
+    assert "1.05x PyTorch DDP's, against 1.74x" in out
 
 
 def test_env_reports_a_malformed_tf_config(monkeypatch, capsys):
@@ -408,13 +421,14 @@ def test_restart_options_reach_the_launcher(tmp_path, capsys):
     [
         (["--collectives", "gloo"], {}, "gloo"),
         # The flag wins over the variable; without either, nothing is set
-        # (the tasks' TensorFlow collectives).
+        # (the tasks choose: auto).
         (
             ["--collectives", "tensorflow"],
             {"KERAS_DIST_COLLECTIVES": "gloo"},
             "tensorflow",
         ),
         ([], {"KERAS_DIST_COLLECTIVES": "gloo"}, "gloo"),
+        (["--collectives", "auto"], {"KERAS_DIST_COLLECTIVES": "gloo"}, "auto"),
         ([], {}, "unset"),
     ],
 )

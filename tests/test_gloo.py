@@ -57,7 +57,12 @@ def test_gloo_sums_equal_tensorflow_collectives_exactly():
         env={"KERAS_DIST_COLLECTIVES": "gloo"},
         timeout=300,
     )
-    with_tf = run_workers(workers.compressed_fit, args=configs, timeout=300)
+    with_tf = run_workers(
+        workers.compressed_fit,
+        args=configs,
+        env={"KERAS_DIST_COLLECTIVES": "tensorflow"},
+        timeout=300,
+    )
     # `compressed_fit` reports the group's running counts: per fit, the
     # difference from the previous one.
     for worker in range(2):
@@ -118,7 +123,12 @@ def test_the_sharded_optimizer_through_gloo_equals_tensorflow_collectives():
         env={"KERAS_DIST_COLLECTIVES": "gloo"},
         timeout=400,
     )
-    with_tf = run_workers(sharding_workers.sharded_cases, args=(cases,), timeout=400)
+    with_tf = run_workers(
+        sharding_workers.sharded_cases,
+        args=(cases,),
+        env={"KERAS_DIST_COLLECTIVES": "tensorflow"},
+        timeout=400,
+    )
     for worker in range(2):
         for case, got, reference in zip(cases, with_gloo[worker], with_tf[worker]):
             assert reference["gloo"] is None
@@ -149,7 +159,7 @@ def test_the_sharded_optimizer_through_gloo_equals_tensorflow_collectives():
 
 def test_the_backend_is_chosen_by_name(monkeypatch):
     monkeypatch.delenv(gloo.ENV_VAR, raising=False)
-    assert gloo.requested_backend() == "tensorflow"
+    assert gloo.requested_backend() == "auto"
     monkeypatch.setenv(gloo.ENV_VAR, " GLOO ")
     assert gloo.requested_backend() == "gloo"
     monkeypatch.setenv(gloo.ENV_VAR, "nccl")
@@ -157,11 +167,49 @@ def test_the_backend_is_chosen_by_name(monkeypatch):
         gloo.requested_backend()
 
 
-def test_without_the_variable_nothing_changes(monkeypatch, mirrored):
+def test_auto_keeps_tensorflow_for_several_devices_per_worker(monkeypatch, mirrored):
     monkeypatch.delenv(gloo.ENV_VAR, raising=False)
     strategy = mirrored(2)
-    assert not gloo.enable_if_requested(strategy)
+    choice = gloo.enable_if_requested(strategy)
+    assert choice == ("tensorflow", "auto: 2 devices per worker, gloo serves 1")
     assert gloo.group_for(strategy) is None
+
+
+def test_auto_picks_gloo_where_pytorch_is_installed(monkeypatch):
+    monkeypatch.delenv(gloo.ENV_VAR, raising=False)
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    choice = gloo.choose(strategy)
+    assert choice.backend == "gloo"
+    assert choice.reason.startswith("auto: PyTorch 2.")
+    monkeypatch.setenv(gloo.ENV_VAR, "tensorflow")
+    assert gloo.choose(strategy) == ("tensorflow", "KERAS_DIST_COLLECTIVES=tensorflow")
+
+
+def test_the_chief_says_what_carries_the_sums(caplog):
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with caplog.at_level("INFO", logger="keras_dist.core.collectives"):
+        collectives._log_backend(strategy, gloo.Choice("gloo", "auto: PyTorch 2.13"))
+        collectives._log_backend(strategy, gloo.Choice("tensorflow", "auto: why"))
+    gloo_line, tf_line = caplog.records
+    assert gloo_line.levelname == "WARNING"
+    assert "through gloo (auto: PyTorch 2.13)" in gloo_line.getMessage()
+    assert "KERAS_DIST_COLLECTIVES=tensorflow keeps" in gloo_line.getMessage()
+    assert tf_line.levelname == "INFO"
+    assert "TensorFlow's collectives (auto: why)" in tf_line.getMessage()
+
+
+def test_auto_without_pytorch_keeps_tensorflow(monkeypatch):
+    """The same strategy where PyTorch does not import: TensorFlow's
+    collectives, and the reason says so (no error)."""
+    monkeypatch.delenv(gloo.ENV_VAR, raising=False)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)
+    gloo.gloo_missing.cache_clear()
+    try:
+        choice = gloo.choose(tf.distribute.OneDeviceStrategy("/cpu:0"))
+    finally:
+        gloo.gloo_missing.cache_clear()
+    assert choice == ("tensorflow", "auto: PyTorch is not installed")
 
 
 def test_gloo_refuses_several_devices_per_worker(monkeypatch, mirrored):
@@ -295,9 +343,42 @@ def test_workers_that_disagree_on_the_backend_are_told_at_start_up():
     # DistStoreError.
     pytest.importorskip("torch", reason="the gloo backend needs PyTorch")
     errors = run_workers(workers.disagreeing_backends, num_workers=2, timeout=240)
-    assert "worker 0 (this one) sums through 'gloo', worker 1 through" in errors[0]
     assert (
-        "worker 1 (this one) sums through 'tensorflow', worker 0 through" in (errors[1])
-    )
+        "worker 0 (this one) sums through 'gloo' (KERAS_DIST_COLLECTIVES=gloo), "
+        "worker 1 through 'tensorflow' (KERAS_DIST_COLLECTIVES=tensorflow)"
+    ) in errors[0]
+    assert (
+        "worker 1 (this one) sums through 'tensorflow' "
+        "(KERAS_DIST_COLLECTIVES=tensorflow), worker 0 through 'gloo'"
+    ) in errors[1]
     for error in errors:
-        assert "The workers disagree on KERAS_DIST_COLLECTIVES" in error
+        assert "The workers disagree on what carries their sums" in error
+
+
+@pytest.mark.multiworker
+def test_by_default_cpu_workers_sum_through_gloo_and_say_so():
+    """No variable set, PyTorch installed: a 2-worker fit's sums go through
+    gloo, equal to the same fit with TensorFlow's collectives, and the chief
+    logs the choice once. A worker where PyTorch does not import would sum
+    through TensorFlow's: its peers are told at start-up, with the reason.
+    (The log line: test_the_chief_says_what_carries_the_sums.)"""
+    config = ([keras.saving.serialize_keras_object(NoCompression())],)
+    env = {"KERAS_DIST_COLLECTIVES": ""}
+    by_default = run_workers(workers.compressed_fit, args=config, env=env, timeout=300)
+    with_tf = run_workers(
+        workers.compressed_fit,
+        args=config,
+        env={"KERAS_DIST_COLLECTIVES": "tensorflow"},
+        timeout=300,
+    )
+    for worker in range(2):
+        got, reference = by_default[worker][0], with_tf[worker][0]
+        assert got["gloo"][0] > 0 and reference["gloo"] is None
+        assert max_abs_diff(got["weights"], reference["weights"]) < 1e-6
+    errors = run_workers(workers.one_worker_without_pytorch, env=env, timeout=240)
+    assert "worker 0 (this one) sums through 'gloo' (auto: PyTorch 2." in errors[0], (
+        errors[0]
+    )
+    assert (
+        "worker 1 through 'tensorflow' (auto: PyTorch is not installed)" in (errors[0])
+    )

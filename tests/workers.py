@@ -231,6 +231,24 @@ def strategy_with_communication_options():
     )
 
 
+def one_worker_without_pytorch():
+    """Worker 1 cannot import PyTorch, worker 0 can, neither sets the
+    backend: each returns the error `auto_strategy` gives, or `None`."""
+    import json
+    import os
+    import sys
+
+    if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
+        sys.modules["torch"] = None  # what `import torch` meets uninstalled
+    import keras_dist
+
+    try:
+        keras_dist.auto_strategy()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def disagreeing_backends():
     """Worker 0 asks for the gloo backend, worker 1 for TensorFlow's: each
     returns the error `auto_strategy` gives, or `None`."""

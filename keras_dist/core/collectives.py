@@ -105,23 +105,23 @@ def own(strategy=None) -> None:
         _owned[extended] = block * _KEY_BLOCK + 1
 
 
-def _log_backend(strategy, through_gloo: bool) -> None:
-    """Says once, on the chief, what carries a multi-worker strategy's sums."""
+def _log_backend(strategy, choice) -> None:
+    """Says once per strategy, on the chief, what carries its sums and why."""
     if tf_internal.worker_rank(strategy) != 0:
         return
-    if through_gloo:
+    if choice.backend == "gloo":
         logger.warning(
             "keras_dist: this job sums its dense gradients (and a sharded "
-            "optimizer's slices) through gloo (%s=gloo, PyTorch %s); "
-            "TensorFlow's collectives carry the rest.",
+            "optimizer's slices) through gloo (%s); TensorFlow's collectives "
+            "carry the rest. %s=tensorflow keeps them all on TensorFlow's.",
+            choice.reason,
             gloo.ENV_VAR,
-            gloo.torch_version(),
         )
     else:
         logger.info(
             "keras_dist: this job sums its gradients through TensorFlow's "
-            "collectives (%s unset).",
-            gloo.ENV_VAR,
+            "collectives (%s).",
+            choice.reason,
         )
 
 

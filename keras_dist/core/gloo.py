@@ -95,33 +95,82 @@ _disabled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def requested_backend() -> str:
-    """The backend `KERAS_DIST_COLLECTIVES` names (`"tensorflow"` if unset).
+    """The backend `KERAS_DIST_COLLECTIVES` names (`"auto"` if unset).
 
     Raises:
         ValueError: the variable names no backend.
     """
-    return check_collectives(os.environ.get(ENV_VAR), ENV_VAR) or "tensorflow"
+    return check_collectives(os.environ.get(ENV_VAR), ENV_VAR) or "auto"
 
 
-def enable_if_requested(strategy) -> bool:
-    """Marks `strategy` for gloo when the environment asks for it.
+class Choice(NamedTuple):
+    """What carries a strategy's sums, and why (`choose`)."""
+
+    backend: str  # "gloo" or "tensorflow"
+    reason: str
+
+
+def choose(strategy) -> Choice:
+    """Resolves `KERAS_DIST_COLLECTIVES` for one multi-worker strategy.
+
+    `auto` (the variable unset) picks gloo when PyTorch with gloo imports
+    here and the strategy has one CPU device per worker, TensorFlow's
+    collectives otherwise (GPUs: NCCL; several devices per worker: the
+    local all-reduce gloo cannot do; no PyTorch). Imports PyTorch only for
+    a strategy gloo could serve.
+
+    Raises:
+        ValueError: the variable names no backend.
+    """
+    backend = requested_backend()
+    if backend != "auto":
+        return Choice(backend, f"{ENV_VAR}={backend}")
+    devices = list(strategy.extended.worker_devices)
+    if any("GPU" in device.upper() for device in devices):
+        return Choice("tensorflow", "auto: GPU workers (NCCL)")
+    if len(devices) != 1:
+        return Choice(
+            "tensorflow", f"auto: {len(devices)} devices per worker, gloo serves 1"
+        )
+    missing = gloo_missing()
+    if missing:
+        return Choice("tensorflow", f"auto: {missing}")
+    return Choice("gloo", f"auto: PyTorch {torch_version()} with gloo is installed")
+
+
+@functools.cache
+def gloo_missing() -> str | None:
+    """Why gloo cannot run in this process, or `None` when it can."""
+    try:
+        _import_torch()
+    except ImportError as error:
+        if "no gloo backend" in str(error):
+            return "this PyTorch build has no gloo"
+        return "PyTorch is not installed"
+    return None
+
+
+def enable_if_requested(strategy) -> Choice:
+    """Sends `strategy`'s sums through gloo when `choose` picks it.
 
     Called by `collectives.own` for every multi-worker strategy, before
     anything is traced, so a strategy gloo cannot serve fails at once.
     The process group itself is made at the first gradient sum.
 
     Returns:
-        Whether `strategy`'s gradient sums go through gloo.
+        The `Choice`: whether `strategy`'s gradient sums go through gloo,
+        and why.
 
     Raises:
         ValueError: `KERAS_DIST_COLLECTIVES` is not a backend, or names
-            gloo for a strategy with several devices per worker.
+            gloo for a strategy with several devices per worker, or the
+            workers chose differently.
         ImportError: gloo is asked for and PyTorch is not installed.
     """
-    backend = requested_backend()
-    _check_every_worker_agrees(strategy, backend)
-    if backend != "gloo":
-        return False
+    choice = choose(strategy)
+    _check_every_worker_agrees(strategy, choice)
+    if choice.backend != "gloo":
+        return choice
     local = local_replicas(strategy)
     if local != 1:
         raise ValueError(
@@ -131,7 +180,7 @@ def enable_if_requested(strategy) -> bool:
             "for TensorFlow's collectives (NCCL on GPUs)."
         )
     use(strategy)
-    return True
+    return choice
 
 
 _AGREEMENTS = itertools.count()
@@ -140,17 +189,18 @@ _AGREEMENTS = itertools.count()
 AGREE_TIMEOUT_SECONDS = 120.0
 
 
-def _check_every_worker_agrees(strategy, backend: str) -> None:
+def _check_every_worker_agrees(strategy, choice: Choice) -> None:
     """Refuses a cluster whose workers chose different backends.
 
     A worker that sums through gloo while its peer sums through TensorFlow
     would wait for a peer that never comes, and fail only after the
     collective timeout with gloo's raw `DistStoreError`. Each worker
-    publishes its choice in TensorFlow's coordination service and reads the
-    others'.
+    publishes its choice and the reason in TensorFlow's coordination
+    service and reads the others'.
 
     Raises:
-        ValueError: another worker chose another backend; names both.
+        ValueError: another worker chose another backend; names both and
+            why each chose as it did.
     """
     workers = strategy.num_replicas_in_sync // local_replicas(strategy)
     if workers == 1:
@@ -159,25 +209,29 @@ def _check_every_worker_agrees(strategy, backend: str) -> None:
     # One key per multi-worker strategy of this process (every worker
     # builds its strategies in the same order; keys are set only once).
     key = f"{_KEY_PREFIX}backend/{next(_AGREEMENTS)}/"
-    tf_internal.publish_key(f"{key}{rank}", backend)
+    tf_internal.publish_key(f"{key}{rank}", f"{choice.backend}|{choice.reason}")
     for peer in range(workers):
         if peer == rank:
             continue
         try:
-            theirs = tf_internal.read_key(
+            published = tf_internal.read_key(
                 f"{key}{peer}", timeout_seconds=AGREE_TIMEOUT_SECONDS
             )
         except tf.errors.OpError:
             # It did not say (an older keras_dist, or slow): the first
             # collective will tell.
             continue
-        if theirs != backend:
+        theirs, _, their_reason = published.partition("|")
+        if theirs != choice.backend:
             raise ValueError(
-                f"The workers disagree on {ENV_VAR}: worker {rank} (this one) "
-                f"sums through {backend!r}, worker {peer} through {theirs!r}. "
-                f"Received: {ENV_VAR}={os.environ.get(ENV_VAR, '')!r} here. Set "
-                "the same value for every task (`keras-dist launch` passes "
-                "its environment to all of them)."
+                f"The workers disagree on what carries their sums: worker "
+                f"{rank} (this one) sums through {choice.backend!r} "
+                f"({choice.reason}), worker {peer} through {theirs!r} "
+                f"({their_reason or 'no reason given'}). Received: "
+                f"{ENV_VAR}={os.environ.get(ENV_VAR, '')!r} here. Install the "
+                "same packages in every task, or set the same "
+                f"{ENV_VAR} (tensorflow or gloo) for all of them "
+                "(`keras-dist launch --collectives` passes it to every task)."
             )
 
 
