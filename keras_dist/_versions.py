@@ -29,7 +29,8 @@ VERSION = "0.1.0"
 TESTED_KERAS = ("3.15", "3.15")
 TESTED_TENSORFLOW = ("2.21", "2.21")
 # The PyTorch whose gloo process group the optional gloo backend is tested
-# with (`KERAS_DIST_COLLECTIVES=gloo`); setup.cfg's `test` extra pins it.
+# with (CPU workers' sums where PyTorch is installed); setup.cfg's `gloo`
+# and `test` extras pin it.
 TESTED_TORCH = "2.13.0"
 # The minimums setup.cfg declares; older releases are refused.
 MINIMUM_KERAS = "3.5"

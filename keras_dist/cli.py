@@ -196,7 +196,7 @@ def _build_parser() -> argparse.ArgumentParser:
             f"{PROG} launch --workers N|MIN:MAX [--discover COMMAND] [--ps M] "
             "[--chief] [--host HOST] [--grace-period SECONDS] [--max-restarts N] "
             "[--log-dir DIR] [--only-chief] "
-            "[--collective-timeout SECONDS] [--collectives {tensorflow,gloo}] "
+            "[--collective-timeout SECONDS] [--collectives {auto,tensorflow,gloo}] "
             "[--tf-logs] -- COMMAND [ARG ...]"
         ),
     )

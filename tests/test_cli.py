@@ -565,3 +565,48 @@ def test_one_collective_timeout_check_for_the_launcher_and_the_strategy():
         strategy._with_collective_timeout(None, 0)
     assert supervisor.COLLECTIVE_TIMEOUT_ENV_VAR == cluster.COLLECTIVE_TIMEOUT_ENV_VAR
     assert strategy.COLLECTIVE_TIMEOUT_ENV_VAR == cluster.COLLECTIVE_TIMEOUT_ENV_VAR
+
+
+def test_every_option_is_in_the_command_reference(capsys):
+    """docs/api/cli.md names each option of each subcommand (a table row,
+    or in the text: `env`'s one), in that subcommand's section, with its choices as the parser has them (the
+    demo parses its own arguments: its options are read from its help)."""
+    import argparse
+
+    from helpers import REPO_ROOT
+
+    from keras_dist import demo
+
+    page = (REPO_ROOT / "docs" / "api" / "cli.md").read_text()
+    subparsers = next(
+        action
+        for action in cli._build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    options = {
+        name: [
+            (option, action.choices)
+            for action in parser._actions
+            for option in action.option_strings
+        ]
+        for name, parser in subparsers.choices.items()
+        if not name.startswith("_") and name != "demo"
+    }
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    options["demo"] = [
+        (option, None)
+        for option in re.findall(r"^  (--[\w-]+)", capsys.readouterr().out, re.M)
+    ]
+    assert len(options["demo"]) >= 5
+    missing = []
+    for name, found in options.items():
+        section = page.split(f"## `keras-dist {name}`", 1)[1].split("\n## ", 1)[0]
+        for option, choices in found:
+            if option in ("-h", "--help"):
+                continue
+            if f"`{option}" not in section:
+                missing.append(f"{name} {option}")
+            elif choices and "{" + ",".join(choices) + "}" not in section:
+                missing.append(f"{name} {option} {{{','.join(choices)}}}")
+    assert not missing, missing

@@ -5,7 +5,8 @@ Pure TensorFlow; nothing here imports Keras (a test imports the core with
 
 - `topology`: where this process sits in a strategy (replicas, workers).
 - `gloo`: the optional gloo backend of CPU workers' gradient sums
-  (`KERAS_DIST_COLLECTIVES=gloo`, PyTorch's process group).
+  (by default where PyTorch is installed, `KERAS_DIST_COLLECTIVES`;
+  PyTorch's process group).
 - `collectives`: the collective layer (owns collective keys; all-reduce,
   all-gather, buckets, packing); every collective of the package.
 - `hooks`: the all-reduce hook protocol; `plain`, `casts`, `topk`,

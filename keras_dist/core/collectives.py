@@ -302,9 +302,9 @@ def _sum_by_bucket(tensors, sum_group, bucket_bytes):
     if ctx.num_replicas_in_sync == 1 or not tensors:
         return tensors
     result = [None] * len(tensors)
-    # With KERAS_DIST_COLLECTIVES=gloo, the dense buckets of a multi-worker
-    # CPU strategy go through gloo (core/gloo.py): all are started before
-    # any is waited for, so their all-reduces overlap, as DDP's do.
+    # Where gloo carries a strategy's sums (core/gloo.py), the dense buckets
+    # go through it: all are started before any is waited for, so their
+    # all-reduces overlap, as DDP's do.
     started = []
     for bucket in plan_buckets(tensors, bucket_bytes):
         group = [tensors[i] for i in bucket]

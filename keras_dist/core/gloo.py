@@ -1,12 +1,13 @@
-"""An optional CPU collective backend: gloo, through PyTorch's c10d.
+"""The fast CPU collective backend: gloo, through PyTorch's c10d.
 
 TensorFlow's CPU all-reduce between worker processes is a ring over gRPC:
 each piece of a tensor is a gRPC message, serialized, sent and parsed before
 its reduction starts. Between 2 processes on one machine, 100 MB of float32
 take 0.21-0.24 s that way (subdivided, `collectives.RING_SUBDIVS`) and 0.07-
 0.09 s with gloo over plain TCP, the backend PyTorch's DDP uses on CPUs
-(docs/benchmarks/ddp.md). With `KERAS_DIST_COLLECTIVES=gloo` in every
-worker's environment, the sums of `collectives.all_reduce_sum` and
+(docs/benchmarks/ddp.md). Where PyTorch with gloo imports (`choose`:
+`KERAS_DIST_COLLECTIVES` unset or `auto`; or `gloo`, which fails without
+it), the sums of `collectives.all_reduce_sum` and
 `all_reduce_flat` (every hook's dense buckets, and the step's metric sums),
 and the all-to-all of `collectives.reduce_scatter` and the static-shaped
 `collectives.all_gather` (the sharded optimizer's gradients and updated
@@ -45,7 +46,9 @@ strategy's collective timeout (`keras_dist.auto_strategy(collective_timeout=
 ...)` or `KERAS_DIST_COLLECTIVE_TIMEOUT`), or 30 minutes without one, gloo's
 default. PyTorch is needed only in the workers that use the backend
 (the tested version, CPU wheel: `pip install torch==2.13.0 --index-url
-https://download.pytorch.org/whl/cpu`).
+https://download.pytorch.org/whl/cpu`, or the extra `gloo`); without it,
+`auto` keeps TensorFlow's collectives, and every worker must choose alike
+(`_check_every_worker_agrees`).
 """
 
 from __future__ import annotations
@@ -140,13 +143,20 @@ def choose(strategy) -> Choice:
 
 @functools.cache
 def gloo_missing() -> str | None:
-    """Why gloo cannot run in this process, or `None` when it can."""
+    """Why gloo cannot run in this process, or `None` when it can.
+
+    Imports PyTorch (about 2 s and 180 MiB here, once per process).
+    """
     try:
         _import_torch()
     except ImportError as error:
         if "no gloo backend" in str(error):
             return "this PyTorch build has no gloo"
         return "PyTorch is not installed"
+    except Exception as error:
+        # A PyTorch that is there but does not load (a missing shared
+        # library: OSError) must not stop a job that never asked for it.
+        return f"PyTorch does not import here ({type(error).__name__}: {error})"
     return None
 
 

@@ -196,12 +196,13 @@ def launch(
             environment has it, else uses `DEFAULT_COLLECTIVE_TIMEOUT` (300
             s). Defaults to `None`.
         collectives: String or `None`. What carries the sums of the tasks'
-            CPU multi-worker strategies: `"tensorflow"` (its collectives) or
+            CPU multi-worker strategies: `"tensorflow"` (its collectives),
             `"gloo"` (PyTorch's gloo: faster on a fast network, needs
-            PyTorch in every task; see the cluster guide), given to the
-            tasks as `KERAS_DIST_COLLECTIVES`. `None` keeps the variable
-            when the environment has it (TensorFlow's otherwise). Defaults
-            to `None`.
+            PyTorch in every task; see the cluster guide) or `"auto"` (gloo
+            where PyTorch is installed and a task has one CPU device),
+            given to the tasks as `KERAS_DIST_COLLECTIVES`. `None` keeps the
+            variable when the environment has it (each task chooses, `auto`,
+            otherwise). Defaults to `None`.
         environ: Mapping or `None`. Base environment for the tasks; `None`
             uses `os.environ`. Defaults to `None`.
         stdout: Text stream or `None`. Where the prefixed task output goes;
