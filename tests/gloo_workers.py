@@ -14,8 +14,9 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 def sums_until_a_peer_dies(how="kill", deaths_after=2, sums=5):
     """Sums through gloo; worker 1 stops after `deaths_after` sums.
 
-    `how`: `"kill"` (worker 1 SIGKILLs itself) or `"hang"` (it sleeps, alive,
-    its sockets open; the strategy's `collective_timeout` is 5 s).
+    `how`: `"kill"` (worker 1 SIGKILLs itself), `"hang"` (it sleeps, alive,
+    its sockets open; the strategy's `collective_timeout` is 5 s) or
+    `"stop"` (it SIGSTOPs itself, heartbeats included; no timeout).
 
     Run as a script by the test (not by `run_workers`, which would stop
     worker 0 when worker 1 dies). Prints worker 0's outcome as JSON: the
@@ -44,6 +45,8 @@ def sums_until_a_peer_dies(how="kill", deaths_after=2, sums=5):
         if rank == 1 and done == deaths_after:
             if how == "hang":
                 time.sleep(120)
+            if how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
             os.kill(os.getpid(), signal.SIGKILL)
         start = time.monotonic()
         try:

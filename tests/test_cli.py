@@ -569,8 +569,9 @@ def test_one_collective_timeout_check_for_the_launcher_and_the_strategy():
 
 def test_every_option_is_in_the_command_reference(capsys):
     """docs/api/cli.md names each option of each subcommand (a table row,
-    or in the text: `env`'s one), in that subcommand's section, with its choices as the parser has them (the
-    demo parses its own arguments: its options are read from its help)."""
+    or in the text: `env`'s one) in that subcommand's section, with its
+    choices as the parser has them (the demo parses its own arguments: its
+    options are read from its help)."""
     import argparse
 
     from helpers import REPO_ROOT

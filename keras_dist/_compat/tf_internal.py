@@ -7,6 +7,7 @@ Keras 3 touches are in `keras_src.py`. `tests/test_compat.py` pins each.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
@@ -546,6 +547,37 @@ def abort_collectives(message: str) -> None:
     from tensorflow.python.eager import context
 
     context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, message)
+
+
+# Group keys of `collectives_aborted`'s one-member groups, one per device:
+# above every key keras_dist gives strategies (core/collectives.py: blocks of
+# 100,000 up to 1,999,900,000), within int32.
+_PROBE_FIRST_KEY = 2_147_400_001
+_probe_keys: dict = {}
+_probe_lock = threading.Lock()
+
+
+def collectives_aborted(device: str) -> str | None:
+    """Why this process's collectives were aborted, or `None` if they were not.
+
+    TensorFlow aborts them when its coordination service misses a peer's
+    heartbeats, and `abort_collectives` does (the watchdog); a wait outside
+    TensorFlow's collectives (the gloo backend's) learns of it here. The
+    probe is an all-reduce of one member on `device` (a CPU of this
+    process): it completes at once (1-2 ms here) unless the collectives are
+    aborted, and then it fails at once with the reason. One group and
+    instance key per device, reused: nothing accumulates.
+    """
+    with _probe_lock:
+        key = _probe_keys.setdefault(device, _PROBE_FIRST_KEY + len(_probe_keys))
+        try:
+            with tf.device(device):
+                _collective_ops.all_reduce_v2(
+                    tf.zeros([1]), group_size=1, group_key=key, instance_key=key
+                )
+        except tf.errors.OpError as error:
+            return error.message
+    return None
 
 
 # --- Control flow graphs -------------------------------------------------------

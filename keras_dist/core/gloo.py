@@ -87,6 +87,11 @@ FAILURE = "keras_dist's gloo collective failed"
 # only when its memory is aligned to EIGEN_MAX_ALIGN_BYTES (64 with AVX-512;
 # `NdarrayToTensor`): for 100 MB, 0.2 ms against 17 ms here.
 _ALIGNMENT = 64
+# A wait for gloo asks every this often whether TensorFlow aborted the
+# process's collectives (`GlooGroup._wait`); `Work.wait` raises this when a
+# slice passes and can be called again.
+_WAIT_SLICE = datetime.timedelta(seconds=1)
+_SLICE_PASSED = "Operation timed out!"
 # Sum buffers kept for reuse per size and dtype (`_Buffers`).
 _POOLED_PER_SIZE = 4
 
@@ -326,8 +331,17 @@ class GlooGroup:
         host: String, this worker's host name (its sockets bind there).
     """
 
-    def __init__(self, rank: int, size: int, store, timeout: float, host: str):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        store,
+        timeout: float,
+        host: str,
+        device: str | None = None,
+    ):
         torch, dist = _import_torch()
+        self._device = device
         self._torch = torch
         self.rank = rank
         self.size = size
@@ -375,7 +389,9 @@ class GlooGroup:
         else:
             first, port = tf_internal.read_key(key).rsplit(":", 1)
             store = dist.TCPStore(first, int(port), size, False, timeout=wait)
-        return cls(rank, size, store, timeout, host)
+        return cls(
+            rank, size, store, timeout, host, strategy.extended.worker_devices[0]
+        )
 
     def carries(self, tensors) -> bool:
         """Whether gloo sums `tensors` (one bucket), else TensorFlow does.
@@ -522,11 +538,53 @@ class GlooGroup:
         with self._tickets_lock:
             received, work, _ = self._in_flight.pop(int(ticket))
         if work is not None:
-            try:
-                work.wait()
-            except RuntimeError as error:
-                raise self._failed(error) from error
+            self._wait(work)
         return received
+
+    def _wait(self, work) -> None:
+        """Waits for `work`; fails as soon as TensorFlow's collectives of
+        this process are aborted, not only after gloo's timeout.
+
+        TensorFlow aborts them when its coordination service misses a
+        peer's heartbeats (a stopped or frozen peer, about 10 s) and when
+        the watchdog's collective timeout passes: a gloo wait would sit out
+        gloo's own timeout instead (`collective_timeout`, 300 s under
+        `keras-dist launch`). So a wait longer than `_WAIT_SLICE` asks
+        between slices (`tf_internal.collectives_aborted`).
+        """
+        while True:
+            try:
+                work.wait(_WAIT_SLICE)
+                return
+            except RuntimeError as error:
+                if str(error) != _SLICE_PASSED:
+                    raise self._failed(error) from error
+            aborted = (
+                tf_internal.collectives_aborted(self._device) if self._device else None
+            )
+            if aborted is not None:
+                self._abandon(work)
+                raise RuntimeError(
+                    f"{FAILURE} on worker {self.rank} of {self.size}: "
+                    f"this process's collectives were aborted: {aborted}"
+                )
+
+    def _abandon(self, work) -> None:
+        """Gives up this group for good, without waiting for its peers.
+
+        A gloo process group with an operation pending on a peer that no
+        longer answers (stopped, frozen) cannot be destroyed before gloo's
+        timeout: its destructor joins gloo's threads, which wait in a
+        receive. Garbage collection or the interpreter's exit would then
+        hang the worker for up to `collective_timeout` after its step
+        failed. So the group, its store and the pending work are kept alive
+        past the exit (the process ends with the threads still waiting).
+        """
+        import ctypes
+
+        self._group.abort()
+        for held in (self, self._group, self._store, work):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(held))
 
     def _failed(self, error) -> RuntimeError:
         return RuntimeError(
