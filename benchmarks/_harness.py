@@ -694,6 +694,15 @@ def gloo_switch():
     return gloo.use
 
 
+def default_collectives(strategy) -> list:
+    """`[backend, reason]`: what keras_dist's collective layer picks for
+    `strategy` with this process's environment (`KERAS_DIST_COLLECTIVES`,
+    unset: `auto`), as `collectives.own` does before its first sum."""
+    from keras_dist.core import gloo
+
+    return list(gloo.choose(strategy))
+
+
 def private_backup_modules():
     """`keras_dist.backup.transfer` and `keras_dist.backup.store`:
     `bench_backup.py` times `transfer.snapshot_values` (the gather),

@@ -386,11 +386,14 @@ def worker_main(job):
         world_size=WORKERS,
     )
     results = {
+        # What a user gets without choosing (gloo where PyTorch is, as here);
+        # the keras / keras_gloo runs below set each explicitly.
+        "default_collectives": harness.default_collectives(strategy),
         "threads": {
             "tf_intra_op_env": os.environ.get("TF_NUM_INTRAOP_THREADS"),
             "torch_intra_op": torch.get_num_threads(),
             "torch_inter_op": torch.get_num_interop_threads(),
-        }
+        },
     }
     if job["all_reduce_reps"]:
         results["all_reduce"] = all_reduce_times(tf, torch, strategy, job)
@@ -732,7 +735,17 @@ def run(args, report):
     print(table)
     print()
     print(all_reduce)
+    defaults = {
+        name: entry.get("default_collectives") for name, entry in results.items()
+    }
+    print(
+        "\nkeras_dist's default collectives on these workers "
+        f"(KERAS_DIST_COLLECTIVES={os.environ.get('KERAS_DIST_COLLECTIVES', '')!r}): "
+        + "; ".join(f"{name}: {value}" for name, value in defaults.items())
+    )
     fields = {
+        "default_collectives": defaults,
+        "collectives_env": os.environ.get("KERAS_DIST_COLLECTIVES"),
         "rate": args.rate,
         "steps_per_block": args.steps,
         "rounds": args.rounds,
