@@ -4,9 +4,10 @@
 state of one slice of the flattened parameters (ZeRO stage 1). This script
 trains a 25.2M-parameter MLP (Dense 1024 -> 4096 -> 4096 -> 1024, MSE, as in
 `bench_backup.py`) as a `DistributedModel` with `Adam` and with
-`ShardedOptimizer(Adam)`, in two settings:
+`ShardedOptimizer(Adam)`, in these settings:
 
 - `workers`: 2 `MultiWorkerMirroredStrategy` worker processes on 127.0.0.1
+  with TensorFlow's collectives (`KERAS_DIST_COLLECTIVES=tensorflow`)
   inside a private network namespace, its loopback unshaped and shaped to
   `--rate` (default 1 Gbit/s) with a token-bucket filter (needs root and
   `ip`/`tc`, like `bench_compression.py`);
@@ -14,7 +15,12 @@ trains a 25.2M-parameter MLP (Dense 1024 -> 4096 -> 4096 -> 1024, MSE, as in
   unsharded buckets and the sharded reduce-scatter and all-gather through
   gloo;
 - `logical`: one process, `MirroredStrategy` over `--logical-replicas`
-  (default 4) logical CPU devices (`keras_dist.auto_strategy(cpu_replicas=N)`).
+  (default 4) logical CPU devices (`keras_dist.auto_strategy(cpu_replicas=N)`);
+- `torch`: the same model, batch and optimizer in PyTorch over gloo, in the
+  same 2-worker namespace: DDP with Adam, DDP with
+  `ZeroRedundancyOptimizer(Adam)` (ZeRO-1) and FSDP2's
+  `fully_shard(reshard_after_forward=False)` (ZeRO-2)
+  (`benchmarks/_torch_sharding.py`; needs PyTorch).
 
 Every configuration runs in fresh processes, so that the peak memory
 (`VmHWM` of `/proc/self/status`) of one does not hide the other's. Each
@@ -38,7 +44,7 @@ the table reports the median over rounds of each launch's median step.
 Usage (root for the namespaces; `--settings logical` needs none):
 
     sudo .venv/bin/python benchmarks/bench_sharding.py [--steps 10]
-        [--rounds 3] [--settings workers gloo logical] [--rate 1gbit]
+        [--rounds 3] [--settings workers gloo logical torch] [--rate 1gbit]
         [--logical-replicas 4] [--probe-repeats 4] [--no-profile]
         [--allocator default|mmap64k] [--out docs/benchmarks/sharding.json]
 
@@ -66,11 +72,14 @@ import tempfile
 import time
 
 import _harness as harness
+import _torch_sharding
+from _torch_sharding import TORCH_CONFIGS, TORCH_LABELS
 
 WIDTHS = (1024, 4096, 4096, 1024)
 CONFIGS = ("unsharded", "sharded")
 LABELS = {"unsharded": "Adam", "sharded": "ShardedOptimizer(Adam)"}
-COLORS = {"unsharded": "#1f77b4", "sharded": "#ff7f0e"}
+COLORS = {"unsharded": "#1f77b4", "sharded": "#ff7f0e", "fsdp2": "#2ca02c"}
+WORKER_SETTINGS = ("workers", "gloo", "torch")
 GOAL = 1.05
 ALLOCATORS = {
     "default": {},
@@ -102,11 +111,12 @@ def parse_args(argv=None):
     parser.add_argument(
         "--settings",
         nargs="+",
-        choices=("workers", "gloo", "logical"),
-        default=["workers", "gloo", "logical"],
+        choices=("workers", "gloo", "logical", "torch"),
+        default=["workers", "gloo", "logical", "torch"],
         help=(
             "What to run: 2 worker processes (TensorFlow's collectives, and/or "
-            "gloo's) and/or logical replicas."
+            "gloo's), logical replicas, and/or PyTorch's DDP, "
+            "ZeroRedundancyOptimizer and FSDP2 on 2 worker processes."
         ),
     )
     parser.add_argument(
@@ -237,6 +247,12 @@ def probe_collectives(tf, strategy, size: int, repeats: int) -> dict:
 
 
 def worker_main(job):
+    if job["setting"] == "torch":
+        result = _torch_sharding.torch_worker(
+            job, WIDTHS, harness.task_index(), status_mib
+        )
+        _finish(job, result, workers=2)
+        return
     logical = job["setting"] == "logical"
     tf, keras, keras_dist = harness.import_stack(job["replicas"] if logical else None)
     import numpy as np
@@ -287,12 +303,19 @@ def worker_main(job):
         result["probe"] = probe_collectives(
             tf, strategy, parameters, job["probe_repeats"]
         )
-    # Every worker's memory, read by the parent after all have exited. The
-    # file also says this task's collectives are done: a peer still pulling
-    # the last chunk of a ring from task 0 fails if task 0 exits first.
+    _finish(job, result, workers=1 if logical else 2)
+
+
+def _finish(job, result, workers):
+    """Writes this task's memory for the parent and exits with the others.
+
+    Every worker's memory is read by the parent after all have exited. The
+    file also says this task's collectives are done: a peer still pulling
+    the last chunk of a ring from task 0 fails if task 0 exits first.
+    """
     task = harness.task_index()
     with open(os.path.join(job["side"], f".task{task}.json"), "w") as handle:
-        json.dump(memory, handle)
+        json.dump(result["memory"], handle)
     os.replace(
         os.path.join(job["side"], f".task{task}.json"),
         os.path.join(job["side"], f"task{task}.json"),
@@ -303,7 +326,6 @@ def worker_main(job):
     done = os.path.join(job["side"], "done")
     deadline = time.monotonic() + 300
     if task == 0:
-        workers = 1 if logical else 2
         while (
             time.monotonic() < deadline
             and len(glob.glob(os.path.join(job["side"], "task*.json"))) < workers
@@ -382,11 +404,18 @@ def launch(args, setting, config, condition, round_index):
         replicas=args.logical_replicas,
         side=side,
         profile=profile,
+        torch_port=harness.import_stack()[2].cluster.free_ports(1)[0]
+        if setting == "torch"
+        else None,
     )
-    workers = setting in ("workers", "gloo")
+    workers = setting in WORKER_SETTINGS
     env = dict(ALLOCATORS[args.allocator])
-    if setting == "gloo":
-        env["KERAS_DIST_COLLECTIVES"] = "gloo"
+    if setting == "torch":
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    elif workers:
+        # Each setting names its backend: unset, `auto` would pick gloo
+        # wherever PyTorch is installed.
+        env["KERAS_DIST_COLLECTIVES"] = "gloo" if setting == "gloo" else "tensorflow"
     print(f"round {round_index}: {setting}, {condition}, {config}...", flush=True)
     result = harness.run_processes(
         __file__,
@@ -416,6 +445,14 @@ def launch(args, setting, config, condition, round_index):
 
 def conditions(setting):
     return ("one process",) if setting == "logical" else ("unshaped", "shaped")
+
+
+def configs(setting):
+    return TORCH_CONFIGS if setting == "torch" else CONFIGS
+
+
+def label(setting, config) -> str:
+    return (TORCH_LABELS if setting == "torch" else LABELS)[config]
 
 
 def summarize(runs) -> dict:
@@ -462,6 +499,10 @@ def summarize(runs) -> dict:
             row["round_ratios"] = [
                 s / u for s, u in zip(sharded["round_medians"], base["round_medians"])
             ]
+            if "fsdp2" in row:
+                row["fsdp2_step_ratio"] = (
+                    row["fsdp2"]["median_step_seconds"] / base["median_step_seconds"]
+                )
             summary[f"{setting}/{condition}"] = row
     return summary
 
@@ -474,7 +515,7 @@ def format_table(summary, rate) -> str:
         "optimizer state per replica",
         "peak RSS per process",
         "median step (s)",
-        "sharded / Adam",
+        "sharded / unsharded",
     ]
     rows = []
     for key, row in summary.items():
@@ -483,19 +524,21 @@ def format_table(summary, rate) -> str:
         where = {
             "workers": f"{first['replicas']} workers",
             "gloo": f"{first['replicas']} workers, gloo",
+            "torch": f"{first['replicas']} workers, PyTorch (gloo)",
         }.get(setting, f"{first['replicas']} logical replicas, 1 process")
         network = f"shaped {rate}" if condition == "shaped" else condition
-        for config in CONFIGS:
+        for config in configs(setting):
             cell = row[config]
+            ratio = cell["median_step_seconds"] / first["median_step_seconds"]
             rows.append(
                 [
                     where,
                     network,
-                    LABELS[config],
+                    label(setting, config),
                     f"{cell['optimizer_state_bytes_per_replica'] / MIB:.1f} MiB",
                     f"{cell['peak_rss_mib']:.0f} MiB",
                     f"{cell['median_step_seconds']:.3f}",
-                    "" if config == "unsharded" else f"{row['step_ratio']:.2f}x",
+                    "" if config == "unsharded" else f"{ratio:.2f}x",
                 ]
             )
     return harness.table(header, rows)
@@ -549,42 +592,54 @@ def plot_label(key, summary, rate) -> str:
     if setting == "logical":
         return f"{replicas} logical replicas\n(1 process)"
     network = f"loopback {rate}" if condition == "shaped" else "loopback unshaped"
-    backend = ", gloo" if setting == "gloo" else ""
+    backend = {"gloo": ", gloo", "torch": ", PyTorch"}.get(setting, "")
     return f"{replicas} workers{backend}\n{network}"
 
 
 def plot(plt, report, path):
     summary = report["summary"]
     keys = list(summary)
-    fig, (memory_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.4))
-    width = 0.38
+    fig, (memory_ax, time_ax) = plt.subplots(1, 2, figsize=(13, 4.4))
     positions = range(len(keys))
-    for offset, config in enumerate(CONFIGS):
-        shift = (offset - 0.5) * width
-        where = [p + shift for p in positions]
-        color = COLORS[config]
-        peaks = [summary[k][config]["peak_rss_mib"] for k in keys]
-        # The optimizer state of every replica of the process.
-        state = [
-            summary[k][config]["optimizer_state_bytes_per_replica"]
-            * summary[k][config]["local_replicas"]
-            / MIB
-            for k in keys
-        ]
-        bars = memory_ax.bar(where, peaks, width, color=color, label=LABELS[config])
-        memory_ax.bar_label(bars, fmt="%.0f", fontsize=8)
-        memory_ax.bar(
-            where,
-            state,
-            width,
-            fill=False,
-            hatch="//",
-            edgecolor="black",
-            label="optimizer state in the process" if offset else None,
-        )
-        steps = [summary[k][config]["median_step_seconds"] for k in keys]
-        bars = time_ax.bar(where, steps, width, color=color, label=LABELS[config])
-        time_ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    legend = {
+        "unsharded": "unsharded (Adam; PyTorch: DDP + Adam)",
+        "sharded": "sharded (ShardedOptimizer; PyTorch: ZeroRedundancyOptimizer)",
+        "fsdp2": "PyTorch FSDP2 (reshard_after_forward=False)",
+    }
+    labelled = set()
+    for position, key in zip(positions, keys):
+        present = [c for c in (*CONFIGS, "fsdp2") if c in summary[key]]
+        width = 0.8 / len(present)
+        for offset, config in enumerate(present):
+            where = position + (offset - (len(present) - 1) / 2) * width
+            cell = summary[key][config]
+            name = None if config in labelled else legend[config]
+            labelled.add(config)
+            bars = memory_ax.bar(
+                where, cell["peak_rss_mib"], width, color=COLORS[config], label=name
+            )
+            memory_ax.bar_label(bars, fmt="%.0f", fontsize=7)
+            # The optimizer state of every replica of the process.
+            memory_ax.bar(
+                where,
+                cell["optimizer_state_bytes_per_replica"]
+                * cell["local_replicas"]
+                / MIB,
+                width,
+                fill=False,
+                hatch="//",
+                edgecolor="black",
+                label=None if "state" in labelled else "optimizer state in the process",
+            )
+            labelled.add("state")
+            bars = time_ax.bar(
+                where,
+                cell["median_step_seconds"],
+                width,
+                color=COLORS[config],
+                label=name,
+            )
+            time_ax.bar_label(bars, fmt="%.2f", fontsize=7)
     names = [plot_label(k, summary, report["rate"]) for k in keys]
     for ax in (memory_ax, time_ax):
         ax.set_xticks(list(positions), names, fontsize=8)
@@ -605,16 +660,16 @@ def plot(plt, report, path):
 
 
 def run(args, report):
-    if {"workers", "gloo"} & set(args.settings):
+    if set(WORKER_SETTINGS) & set(args.settings):
         harness.require_root("bench_sharding")
     runs = {
-        setting: {c: {k: [] for k in CONFIGS} for c in conditions(setting)}
+        setting: {c: {k: [] for k in configs(setting)} for c in conditions(setting)}
         for setting in args.settings
     }
     for round_index in range(args.rounds):
         for setting in args.settings:
             for condition in harness.alternate(conditions(setting), round_index):
-                for config in harness.alternate(CONFIGS, round_index):
+                for config in harness.alternate(configs(setting), round_index):
                     runs[setting][condition][config].append(
                         launch(args, setting, config, condition, round_index)
                     )
@@ -630,7 +685,9 @@ def run(args, report):
         print(profile)
     for key, row in summary.items():
         verdict = "meets" if row["step_ratio"] <= GOAL else "MISSES"
-        print(f"{key}: sharded/Adam {row['step_ratio']:.3f} ({verdict} {GOAL}x)")
+        print(f"{key}: sharded/unsharded {row['step_ratio']:.3f} ({verdict} {GOAL}x)")
+        if "fsdp2_step_ratio" in row:
+            print(f"{key}: FSDP2/unsharded {row['fsdp2_step_ratio']:.3f}")
     report.write(
         {
             "rate": args.rate,
