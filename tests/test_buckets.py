@@ -357,8 +357,14 @@ def test_first_gradient_collective_does_not_wait_for_the_first_layer():
     """In the traced step of MultiWorkerMirroredStrategy, the collective that
     carries the last layers' gradients does not depend on the first layer's
     gradient (it can run while that is computed); without buckets it does."""
+    # The order of TensorFlow's collective ops in the graph: gloo's sums
+    # are not collective ops (test_gloo.py checks their overlap).
     first, second = run_workers(
-        _collective_dependencies, num_workers=2, args=([1024, None],), timeout=300
+        _collective_dependencies,
+        num_workers=2,
+        args=([1024, None],),
+        env={"KERAS_DIST_COLLECTIVES": "tensorflow"},
+        timeout=300,
     )
     assert first == second
     bucketed, single = first

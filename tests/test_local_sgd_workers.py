@@ -20,8 +20,13 @@ from keras_dist.testing import run_workers
 def results():
     import local_sgd_workers
 
+    # TensorFlow's collectives: the counts below are of its collective ops
+    # (where PyTorch is installed, `auto` would sum the gradients in gloo).
     first, second = run_workers(
-        local_sgd_workers.train_variants, num_workers=2, timeout=400
+        local_sgd_workers.train_variants,
+        num_workers=2,
+        env={"KERAS_DIST_COLLECTIVES": "tensorflow"},
+        timeout=400,
     )
     for name in first:
         assert max_abs_diff(first[name]["weights"], second[name]["weights"]) == 0.0

@@ -115,8 +115,14 @@ def test_python_iterator_logs(mirrored):
 @pytest.mark.multiworker
 @pytest.mark.parametrize("hook", [None, "FP16"])
 def test_multi_worker_chunk_logs_and_collectives(hook):
+    # Counts of TensorFlow's collective ops: keep the sums on them (`auto`
+    # would send the gradients through gloo where PyTorch is installed).
     results = run_workers(
-        multi_worker_fit_logs, num_workers=2, args=(hook,), timeout=400
+        multi_worker_fit_logs,
+        num_workers=2,
+        args=(hook,),
+        env={"KERAS_DIST_COLLECTIVES": "tensorflow"},
+        timeout=400,
     )
     for worker in results:
         reference, chunked = worker[1], worker[CHUNK]

@@ -111,9 +111,8 @@ def _log_backend(strategy, choice) -> None:
         return
     if choice.backend == "gloo":
         logger.warning(
-            "keras_dist: this job sums its dense gradients (and a sharded "
-            "optimizer's slices) through gloo (%s); TensorFlow's collectives "
-            "carry the rest. %s=tensorflow keeps them all on TensorFlow's.",
+            "keras_dist: gradients sum through gloo (%s; %s=tensorflow for "
+            "TensorFlow's collectives).",
             choice.reason,
             gloo.ENV_VAR,
         )

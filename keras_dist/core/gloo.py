@@ -143,7 +143,7 @@ def choose(strategy) -> Choice:
     missing = gloo_missing()
     if missing:
         return Choice("tensorflow", f"auto: {missing}")
-    return Choice("gloo", f"auto: PyTorch {torch_version()} with gloo is installed")
+    return Choice("gloo", "auto: PyTorch with gloo is installed")
 
 
 @functools.cache
