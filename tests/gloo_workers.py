@@ -16,7 +16,9 @@ def sums_until_a_peer_dies(how="kill", deaths_after=2, sums=5):
 
     `how`: `"kill"` (worker 1 SIGKILLs itself), `"hang"` (it sleeps, alive,
     its sockets open; the strategy's `collective_timeout` is 5 s) or
-    `"stop"` (it SIGSTOPs itself, heartbeats included; no timeout).
+    `"stop"` (it SIGSTOPs itself, heartbeats included; no timeout);
+    `"stop_first"`: worker 0 (the cluster's first, where collective groups
+    are registered) SIGSTOPs itself, and worker 1 reports.
 
     Run as a script by the test (not by `run_workers`, which would stop
     worker 0 when worker 1 dies). Prints worker 0's outcome as JSON: the
@@ -41,11 +43,12 @@ def sums_until_a_peer_dies(how="kill", deaths_after=2, sums=5):
         return strategy.run(lambda v: collectives.all_reduce_sum([v])[0], args=(value,))
 
     value = tf.ones([1000])
+    victim = 0 if how == "stop_first" else 1
     for done in range(sums):
-        if rank == 1 and done == deaths_after:
+        if rank == victim and done == deaths_after:
             if how == "hang":
                 time.sleep(120)
-            if how == "stop":
+            if how in ("stop", "stop_first"):
                 os.kill(os.getpid(), signal.SIGSTOP)
             os.kill(os.getpid(), signal.SIGKILL)
         start = time.monotonic()

@@ -290,7 +290,7 @@ def test_a_sum_buffer_is_reused_only_when_no_one_else_holds_it():
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("how", ["kill", "hang", "stop"])
+@pytest.mark.parametrize("how", ["kill", "hang", "stop", "stop_first"])
 def test_a_lost_peer_fails_the_gloo_sum(how):
     """Worker 1 stops between two sums. SIGKILLed: worker 0's next gloo sum
     fails within seconds (the socket closes; gloo's own timeout is 30
@@ -298,8 +298,9 @@ def test_a_lost_peer_fails_the_gloo_sum(how):
     `collective_timeout`, 5 s (gloo's timeout, or the watchdog's abort,
     whichever comes first). SIGSTOPped, no timeout: when TensorFlow's
     coordination service misses its heartbeats (about 10 s), not after
-    gloo's 30 minutes. The error names the worker, and `fit` reports it as
-    a lost peer (`gloo.is_failure`)."""
+    gloo's 30 minutes, whichever worker is stopped (`stop_first`: worker 0,
+    and worker 1 reports). The error names the worker, and `fit` reports it
+    as a lost peer (`gloo.is_failure`)."""
     spec = cluster.local_cluster(workers=2)
     processes = []
     for index in range(2):
@@ -319,8 +320,9 @@ def test_a_lost_peer_fails_the_gloo_sum(how):
                 text=True,
             )
         )
+    survivor = 1 if how == "stop_first" else 0
     try:
-        output, _ = processes[0].communicate(timeout=240)
+        output, _ = processes[survivor].communicate(timeout=240)
     finally:
         for process in processes:
             if process.poll() is None:
@@ -328,13 +330,13 @@ def test_a_lost_peer_fails_the_gloo_sum(how):
             process.wait()
     if how == "kill":
         assert processes[1].returncode == -signal.SIGKILL
-    assert processes[0].returncode == 0, output[-3000:]
+    assert processes[survivor].returncode == 0, output[-3000:]
     line = next(x for x in output.splitlines() if x.startswith("OUTCOME "))
     outcome = json.loads(line[len("OUTCOME ") :])
     assert outcome["done"] == 2, outcome
     assert outcome["type"] == "UnknownError", outcome
     assert outcome["is_failure"], outcome
-    assert "gloo collective failed on worker 0 of 2" in outcome["message"]
+    assert f"gloo collective failed on worker {survivor} of 2" in outcome["message"]
     if how == "hang":
         assert "within 5 s" in outcome["message"] or (
             "longer than the collective timeout (5 s" in outcome["message"]
@@ -344,6 +346,12 @@ def test_a_lost_peer_fails_the_gloo_sum(how):
         assert "collectives were aborted" in outcome["message"], outcome
         assert "stopped sending heartbeats" in outcome["message"], outcome
         assert "/job:worker/replica:0/task:1" in outcome["message"], outcome
+        assert outcome["seconds"] < 90, outcome
+    elif how == "stop_first":
+        # Worker 0 hosts the coordination service: worker 1's heartbeats to
+        # it time out (as with TensorFlow's collectives).
+        assert "collectives were aborted" in outcome["message"], outcome
+        assert "CoordinationService/Heartbeat" in outcome["message"], outcome
         assert outcome["seconds"] < 90, outcome
     else:
         assert outcome["seconds"] < 60, outcome

@@ -549,12 +549,24 @@ def abort_collectives(message: str) -> None:
     context.context().abort_collective_ops(tf.errors.DEADLINE_EXCEEDED, message)
 
 
-# Group keys of `collectives_aborted`'s one-member groups, one per device:
-# above every key keras_dist gives strategies (core/collectives.py: blocks of
-# 100,000 up to 1,999,900,000), within int32.
+# Group keys of `collectives_aborted`'s one-member groups: above every key
+# keras_dist gives strategies (core/collectives.py: blocks of 100,000 up to
+# 1,999,900,000), within int32. One per task of the cluster, from its job and
+# index: a multi-worker group is registered with the first worker (its
+# leader), so two tasks must never use the same key.
 _PROBE_FIRST_KEY = 2_147_400_001
-_probe_keys: dict = {}
+_PROBE_JOBS = {"worker": 0, "chief": 1}
+_PROBE_TASKS_PER_JOB = 20_000
 _probe_lock = threading.Lock()
+
+
+def _probe_key(device: str) -> int:
+    import re
+
+    found = re.search(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)", device)
+    job, task = (found.group(1), int(found.group(2))) if found else ("", 0)
+    slot = _PROBE_JOBS.get(job, len(_PROBE_JOBS))
+    return _PROBE_FIRST_KEY + slot * _PROBE_TASKS_PER_JOB + task % _PROBE_TASKS_PER_JOB
 
 
 def collectives_aborted(device: str) -> str | None:
@@ -563,15 +575,18 @@ def collectives_aborted(device: str) -> str | None:
     TensorFlow aborts them when its coordination service misses a peer's
     heartbeats, and `abort_collectives` does (the watchdog); a wait outside
     TensorFlow's collectives (the gloo backend's) learns of it here. The
-    probe is an all-reduce of one member on `device` (a CPU of this
-    process): it completes at once (1-2 ms here) unless the collectives are
-    aborted, and then it fails at once with the reason. One group and
-    instance key per device, reused: nothing accumulates.
+    probe is an all-reduce of one member on `device` (this task's CPU): it
+    completes at once (1-2 ms here) unless the collectives are aborted, and
+    then it fails at once with the reason. The first call registers its
+    group with the cluster's first worker (call it while every worker is
+    up); later ones stay in the process. One group and instance key per
+    task, reused: nothing accumulates.
     """
+    key = _probe_key(device)
     with _probe_lock:
-        key = _probe_keys.setdefault(device, _PROBE_FIRST_KEY + len(_probe_keys))
         try:
-            with tf.device(device):
+            # Eagerly, also when the first call comes while a step is traced.
+            with tf.init_scope(), tf.device(device):
                 _collective_ops.all_reduce_v2(
                     tf.zeros([1]), group_size=1, group_key=key, instance_key=key
                 )

@@ -389,9 +389,16 @@ class GlooGroup:
         else:
             first, port = tf_internal.read_key(key).rsplit(":", 1)
             store = dist.TCPStore(first, int(port), size, False, timeout=wait)
-        return cls(
-            rank, size, store, timeout, host, strategy.extended.worker_devices[0]
-        )
+        device = strategy.extended.worker_devices[0]
+        # The abort probe's group meets the first worker now, while every
+        # worker is up: later probes stay in this process (`_wait`).
+        aborted = tf_internal.collectives_aborted(device)
+        if aborted is not None:
+            raise RuntimeError(
+                f"{FAILURE} on worker {rank} of {size} as it started: this "
+                f"process's collectives were aborted: {aborted}"
+            )
+        return cls(rank, size, store, timeout, host, device)
 
     def carries(self, tensors) -> bool:
         """Whether gloo sums `tensors` (one bucket), else TensorFlow does.
