@@ -32,6 +32,17 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 MLP_BYTES = (8 * 16 + 16 + 16 * 3 + 3) * 4
 
 
+def _compressed_fits(configs, backend):
+    """`workers.compressed_fit` on 2 workers with `KERAS_DIST_COLLECTIVES`
+    set to `backend` (`""`: unset, `auto`)."""
+    return run_workers(
+        workers.compressed_fit,
+        args=configs,
+        env={"KERAS_DIST_COLLECTIVES": backend},
+        timeout=300,
+    )
+
+
 @pytest.mark.multiworker
 def test_gloo_sums_equal_tensorflow_collectives_exactly():
     """2 workers, the same fits with gloo and with TensorFlow's collectives:
@@ -51,18 +62,8 @@ def test_gloo_sums_equal_tensorflow_collectives_exactly():
         DGC(ratio=0.05, warmup_steps=0, clipnorm=1.0),
     ]
     configs = ([keras.saving.serialize_keras_object(h) for h in hooks],)
-    with_gloo = run_workers(
-        workers.compressed_fit,
-        args=configs,
-        env={"KERAS_DIST_COLLECTIVES": "gloo"},
-        timeout=300,
-    )
-    with_tf = run_workers(
-        workers.compressed_fit,
-        args=configs,
-        env={"KERAS_DIST_COLLECTIVES": "tensorflow"},
-        timeout=300,
-    )
+    with_gloo = _compressed_fits(configs, "gloo")
+    with_tf = _compressed_fits(configs, "tensorflow")
     # `compressed_fit` reports the group's running counts: per fit, the
     # difference from the previous one.
     for worker in range(2):
@@ -383,19 +384,17 @@ def test_by_default_cpu_workers_sum_through_gloo_and_say_so():
     through TensorFlow's: its peers are told at start-up, with the reason.
     (The log line: test_the_chief_says_what_carries_the_sums.)"""
     config = ([keras.saving.serialize_keras_object(NoCompression())],)
-    env = {"KERAS_DIST_COLLECTIVES": ""}
-    by_default = run_workers(workers.compressed_fit, args=config, env=env, timeout=300)
-    with_tf = run_workers(
-        workers.compressed_fit,
-        args=config,
-        env={"KERAS_DIST_COLLECTIVES": "tensorflow"},
-        timeout=300,
-    )
+    by_default = _compressed_fits(config, "")
+    with_tf = _compressed_fits(config, "tensorflow")
     for worker in range(2):
         got, reference = by_default[worker][0], with_tf[worker][0]
         assert got["gloo"][0] > 0 and reference["gloo"] is None
         assert max_abs_diff(got["weights"], reference["weights"]) < 1e-6
-    errors = run_workers(workers.one_worker_without_pytorch, env=env, timeout=240)
+    errors = run_workers(
+        workers.one_worker_without_pytorch,
+        env={"KERAS_DIST_COLLECTIVES": ""},
+        timeout=240,
+    )
     assert (
         "worker 0 (this one) sums through 'gloo' (auto: PyTorch with gloo is "
         "installed), worker 1 through 'tensorflow'" in errors[0]
