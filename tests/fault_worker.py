@@ -13,7 +13,8 @@ same processes (the uninterrupted references).
 `--hurt ATTEMPT:WHAT:N` (repeatable) hurts a task on that attempt
 (`KERAS_DIST_RESTART`) after its N-th batch: `kill` SIGKILLs worker 1,
 `term` sends SIGTERM to worker 1, `stop` sends it SIGSTOP (frozen, its
-heartbeats too), `hang` makes worker 1 sleep (alive, but gone from the
+heartbeats too), `stop0` sends SIGSTOP to worker 0 (which hosts the
+coordination service), `hang` makes worker 1 sleep (alive, but gone from the
 collectives), `save` SIGKILLs the chief inside its N-th backup
 (after the state file is written, before the switch to it; with
 `--async-write` on the callback's writer thread).
@@ -138,6 +139,8 @@ def train(strategy, config, out, backup, hurts, async_write=False):
     for _, what, n in hurts:
         if what in ("kill", "term", "stop", "hang") and task == "worker:1":
             callbacks.append(Hurt(int(n), what))
+        if what == "stop0" and task == "worker:0":
+            callbacks.append(Hurt(int(n), "stop"))
         if what == "save" and task == "worker:0":
             die_inside_backup(int(n))
     x, y = data()

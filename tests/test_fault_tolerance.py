@@ -292,6 +292,28 @@ def test_stopped_peer_fails_the_survivor_long_before_the_timeout(tmp_path):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["tensorflow", "auto"])
+def test_stopped_first_worker_is_named_by_the_survivor(tmp_path, backend):
+    # Worker 0 hosts TensorFlow's coordination service: when it is frozen,
+    # worker 1's own heartbeats to the service time out, and TensorFlow's
+    # error names no task ("Deadline Exceeded ... CoordinationService/
+    # Heartbeat"). The survivor's line names worker 0 all the same, with
+    # TensorFlow's collectives and with the default (gloo, PyTorch being
+    # installed).
+    status, output, seconds = launch(
+        tmp_path, "--hurt", "0:stop0:3", env={"KERAS_DIST_COLLECTIVES": backend}
+    )
+    assert status != 0
+    assert (
+        "Training stopped on worker:1: lost worker:0: this worker's heartbeats "
+        "to the coordination service it hosts time out"
+    ) in output, output[-3000:]
+    assert ": worker:0 is stopped (SIGSTOP)." in output
+    assert seconds < 200, seconds
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
 def test_stock_backup_and_checkpoint_write_on_the_chief_only(tmp_path):
     status, output, _ = launch(tmp_path, "--stock")
     assert status == 0, output[-3000:]

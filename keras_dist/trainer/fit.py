@@ -238,6 +238,9 @@ def _lost_a_peer(error) -> bool:
 
 # TensorFlow's coordination service names the tasks it misses this way.
 _UNHEALTHY = "stopped sending heartbeats"
+# What a worker's agent reports when its own heartbeats to the service time
+# out: the task that hosts the service is stopped or frozen.
+_SERVICE_LOST = "CoordinationService/Heartbeat"
 _REPORTED_BY = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
 # gRPC's words for a peer whose process closed its sockets.
 _CONNECTION_LOST = re.compile(r"Connection reset by peer|Socket closed|Broken pipe")
@@ -276,6 +279,15 @@ def _describe_lost_peer(strategy, error) -> str | None:
         cause = (
             f"lost {who}: it stopped sending heartbeats (its process is "
             "stopped, or its machine froze)"
+        )
+    elif _SERVICE_LOST in message:
+        # The service runs in the chief, or in worker 0 without one
+        # (TensorFlow's multi-worker strategy); its host is the one lost.
+        host = "chief:0" if "chief" in cluster else "worker:0"
+        cause = (
+            f"lost {host}: this worker's heartbeats to the coordination "
+            f"service it hosts time out (its process is stopped, or its "
+            "machine froze)"
         )
     elif watchdog.aborted() is not None or isinstance(
         error, tf.errors.DeadlineExceededError
