@@ -125,9 +125,9 @@ other way round, `backup_elastic_accumulate` the same with accumulation 2,
 both are synchronous training). Strategies: none (one device),
 `MirroredStrategy` on 2 logical CPUs, and a sample of 8 cases under
 `MultiWorkerMirroredStrategy` with 2 worker processes (`multi_worker`),
-run twice: with the default collectives (gloo, PyTorch being installed;
-the figures below) and with TensorFlow's (`KERAS_DIST_COLLECTIVES=
-tensorflow`, what a plain install gets), each held to the same bound.
+run twice by the suite: with the default collectives (gloo where PyTorch
+is installed) and with TensorFlow's (`KERAS_DIST_COLLECTIVES=tensorflow`,
+what a plain install gets), each held to the same bound.
 Inputs: 64 examples in batches of 16 (`arrays`), 70 (`arrays_remainder`:
 the last batch of each epoch has 6), a seeded, reshuffling `tf.data`
 pipeline repeated with `steps_per_epoch`, and a `keras.utils.PyDataset`.
