@@ -136,12 +136,12 @@ def torch_worker(job, widths, rank, status_mib) -> dict:
         "peak_rss_mib": status_mib("VmHWM"),
     }
     per_parameter = _state_bytes(optimizer)
+    # Global shapes (a DTensor's `shape` is the whole parameter's).
+    parameters = sum(int(np.prod(p.shape)) for p in model.parameters())
     dist.barrier()
     dist.destroy_process_group()
     return {
-        "parameters": sum(
-            int(np.prod(p.shape)) for p in _model(torch, widths).parameters()
-        ),
+        "parameters": parameters,
         "replicas": 2,
         "local_replicas": 1,
         "step_seconds": durations,

@@ -510,10 +510,7 @@ def _collectives_lines() -> list[str]:
         backend = gloo.requested_backend()
     except ValueError as error:
         return [f"Collectives:   cannot decide: {error}"]
-    install = (
-        f"`pip install torch=={gloo.TORCH_VERSION} --index-url "
-        "https://download.pytorch.org/whl/cpu`"
-    )
+    install = f"`{gloo.INSTALL}`"
     if backend == "tensorflow":
         return [
             "Collectives:   TensorFlow's (ring on CPU workers, NCCL on GPUs; "

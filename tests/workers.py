@@ -240,13 +240,7 @@ def one_worker_without_pytorch():
 
     if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
         sys.modules["torch"] = None  # what `import torch` meets uninstalled
-    import keras_dist
-
-    try:
-        keras_dist.auto_strategy()
-    except ValueError as error:
-        return str(error)
-    return None
+    return _auto_strategy_error()
 
 
 def disagreeing_backends():
@@ -257,6 +251,11 @@ def disagreeing_backends():
 
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     os.environ["KERAS_DIST_COLLECTIVES"] = "gloo" if index == 0 else "tensorflow"
+    return _auto_strategy_error()
+
+
+def _auto_strategy_error():
+    """The `ValueError` message `keras_dist.auto_strategy()` raises, or `None`."""
     import keras_dist
 
     try:

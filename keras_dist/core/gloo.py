@@ -72,6 +72,11 @@ from keras_dist.core import watchdog
 from keras_dist.core.topology import local_replicas
 
 ENV_VAR = COLLECTIVES_ENV_VAR
+# PyTorch's CPU wheel of the version the backend is tested with.
+INSTALL = (
+    f"pip install torch=={TORCH_VERSION} "
+    "--index-url https://download.pytorch.org/whl/cpu"
+)
 
 # gloo sums these; a bucket of another dtype stays on TensorFlow's collective.
 _GLOO_DTYPES = frozenset(
@@ -302,10 +307,8 @@ def _import_torch():
     except ImportError as error:
         raise ImportError(
             f"{ENV_VAR}=gloo needs PyTorch (its gloo process group) in every "
-            f"worker: `pip install torch=={TORCH_VERSION} --index-url "
-            "https://download.pytorch.org/whl/cpu` (the CPU wheel, the version "
-            f"keras_dist is tested with), or unset {ENV_VAR} for TensorFlow's "
-            "collectives."
+            f"worker: `{INSTALL}` (the CPU wheel, the version keras_dist is "
+            f"tested with), or unset {ENV_VAR} for TensorFlow's collectives."
         ) from error
     if not dist.is_available() or not dist.is_gloo_available():
         raise ImportError(
@@ -329,6 +332,8 @@ class GlooGroup:
         store: The `torch.distributed` store the group met through.
         timeout: Float, seconds a collective waits for its peers.
         host: String, this worker's host name (its sockets bind there).
+        device: String, this worker's CPU device: where `_wait` probes
+            whether TensorFlow aborted the process's collectives.
     """
 
     def __init__(
@@ -338,7 +343,7 @@ class GlooGroup:
         store,
         timeout: float,
         host: str,
-        device: str | None = None,
+        device: str,
     ):
         torch, dist = _import_torch()
         self._device = device
@@ -394,10 +399,7 @@ class GlooGroup:
         # worker is up: later probes stay in this process (`_wait`).
         aborted = tf_internal.collectives_aborted(device)
         if aborted is not None:
-            raise RuntimeError(
-                f"{FAILURE} on worker {rank} of {size} as it started: this "
-                f"process's collectives were aborted: {aborted}"
-            )
+            raise _aborted(rank, size, aborted)
         return cls(rank, size, store, timeout, host, device)
 
     def carries(self, tensors) -> bool:
@@ -566,15 +568,10 @@ class GlooGroup:
             except RuntimeError as error:
                 if str(error) != _SLICE_PASSED:
                     raise self._failed(error) from error
-            aborted = (
-                tf_internal.collectives_aborted(self._device) if self._device else None
-            )
+            aborted = tf_internal.collectives_aborted(self._device)
             if aborted is not None:
                 self._abandon(work)
-                raise RuntimeError(
-                    f"{FAILURE} on worker {self.rank} of {self.size}: "
-                    f"this process's collectives were aborted: {aborted}"
-                )
+                raise _aborted(self.rank, self.size, aborted)
 
     def _abandon(self, work) -> None:
         """Gives up this group for good, without waiting for its peers.
@@ -598,6 +595,15 @@ class GlooGroup:
             f"{FAILURE} on worker {self.rank} of {self.size}: a peer stopped, "
             f"or did not answer within {self.timeout:g} s. {error}"
         )
+
+
+def _aborted(rank: int, size: int, reason: str) -> RuntimeError:
+    """The error of a gloo collective given up because TensorFlow aborted
+    this process's collectives (`tf_internal.collectives_aborted`)."""
+    return RuntimeError(
+        f"{FAILURE} on worker {rank} of {size}: this process's collectives "
+        f"were aborted: {reason}"
+    )
 
 
 class _Pending(NamedTuple):
