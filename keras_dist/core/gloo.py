@@ -159,9 +159,9 @@ def gloo_missing() -> str | None:
     """
     try:
         _import_torch()
-    except ImportError as error:
-        if "no gloo backend" in str(error):
-            return "this PyTorch build has no gloo"
+    except _NoGloo:
+        return "this PyTorch build has no gloo"
+    except ImportError:
         return "PyTorch is not installed"
     except Exception as error:
         # A PyTorch that is there but does not load (a missing shared
@@ -311,12 +311,16 @@ def _import_torch():
             f"tested with), or unset {ENV_VAR} for TensorFlow's collectives."
         ) from error
     if not dist.is_available() or not dist.is_gloo_available():
-        raise ImportError(
+        raise _NoGloo(
             f"{ENV_VAR}=gloo: this PyTorch build ({torch.__version__}) has no "
             "gloo backend. Install PyTorch's CPU wheel, or unset "
             f"{ENV_VAR} for TensorFlow's collectives."
         )
     return torch, dist
+
+
+class _NoGloo(ImportError):
+    """PyTorch imports, but this build has no gloo (`_import_torch`)."""
 
 
 class GlooGroup:
