@@ -34,6 +34,8 @@ def sums_until_a_peer_dies(how="kill", deaths_after=2, sums=5):
     import keras_dist
     from keras_dist.core import collectives, gloo
 
+    dtype = tf.float16 if how.endswith("_half") else tf.float32
+    how = how.removesuffix("_half")
     timeout = 5 if how == "hang" else None
     strategy = keras_dist.auto_strategy(collective_timeout=timeout)
     rank = strategy.cluster_resolver.task_id
@@ -42,7 +44,7 @@ def sums_until_a_peer_dies(how="kill", deaths_after=2, sums=5):
     def step(value):
         return strategy.run(lambda v: collectives.all_reduce_sum([v])[0], args=(value,))
 
-    value = tf.ones([1000])
+    value = tf.ones([1000], dtype)
     victim = 0 if how == "stop_first" else 1
     for done in range(sums):
         if rank == victim and done == deaths_after:
@@ -53,7 +55,7 @@ def sums_until_a_peer_dies(how="kill", deaths_after=2, sums=5):
             os.kill(os.getpid(), signal.SIGKILL)
         start = time.monotonic()
         try:
-            total = float(tf.reduce_sum(step(value)))
+            total = float(tf.reduce_sum(tf.cast(step(value), tf.float32)))
         except tf.errors.OpError as error:
             outcome = {
                 "done": done,

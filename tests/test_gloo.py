@@ -22,7 +22,7 @@ from helpers import max_abs_diff
 
 from keras_dist import cluster
 from keras_dist.compression import BF16, DGC, FP16, NoCompression, PowerSGD, TopK
-from keras_dist.core import collectives, gloo
+from keras_dist.core import collectives, gloo, gloo_group
 from keras_dist.testing import run_workers
 
 pytest.importorskip("torch", reason="the gloo backend needs PyTorch (extra `test`)")
@@ -104,6 +104,27 @@ def test_gloo_sums_equal_tensorflow_collectives_exactly():
     for index in (6, 7):
         calls, nbytes = with_gloo[0][index]["gloo"]
         assert calls == 2 * steps, hooks[index]
+
+
+@pytest.mark.multiworker
+def test_half_precision_sums_add_in_worker_order_on_every_worker():
+    """float16 and bfloat16 sums go through gloo as an all-to-all, adds and
+    a second all-to-all (`gloo_group._HalfSums`): with 3 workers, lengths
+    that do not divide by 3 (the padding), one element and 100,003, each
+    worker gets the bits of TensorFlow's adds in worker order."""
+    lengths = [1, 5, 100_003]
+    results = run_workers(
+        workers.half_sums,
+        num_workers=3,
+        args=(lengths,),
+        env={"KERAS_DIST_COLLECTIVES": "gloo"},
+        timeout=300,
+    )
+    for result in results:
+        assert result["float16"]["equal"] and result["bfloat16"]["equal"]
+        # The metric-free step: 2 steps x 2 dtypes, one bucket each.
+        assert result["issued"] == 4
+        assert result["float16"]["sums"] == results[0]["float16"]["sums"]
 
 
 @pytest.mark.multiworker
@@ -246,14 +267,14 @@ def test_local_strategies_keep_tensorflow_collectives(monkeypatch, mirrored):
 def test_a_sum_buffer_is_reused_only_when_no_one_else_holds_it():
     """`_Buffers`: a buffer someone may still read (TensorFlow, while a
     tensor aliases it) is not handed out again; a free one is."""
-    buffers = gloo._Buffers()
+    buffers = gloo_group._Buffers()
 
     def take():
         buffer = buffers.take(1000, np.float32)
         return buffer.ctypes.data, buffer
 
     address = take()[0]
-    assert address % gloo._ALIGNMENT == 0
+    assert address % gloo_group._ALIGNMENT == 0
     assert take()[0] == address  # no one held it
     handed = [take()[1]]
     handed[0][:] = 7.0
@@ -284,14 +305,18 @@ def test_a_sum_buffer_is_reused_only_when_no_one_else_holds_it():
     else:
         raise AssertionError("a buffer no one holds was not reused")
     # Up to `_POOLED_PER_SIZE` buffers are kept per size and dtype.
-    held = [take()[1] for _ in range(gloo._POOLED_PER_SIZE + 2)]
+    held = [take()[1] for _ in range(gloo_group._POOLED_PER_SIZE + 2)]
     assert len({buffer.ctypes.data for buffer in held}) == len(held)
-    assert len(buffers._pools[(1000, np.dtype(np.float32))]) == gloo._POOLED_PER_SIZE
+    assert (
+        len(buffers._pools[(1000, np.dtype(np.float32))]) == gloo_group._POOLED_PER_SIZE
+    )
     assert buffers.take(1000, np.float64).dtype == np.float64
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("how", ["kill", "hang", "stop", "stop_first"])
+@pytest.mark.parametrize(
+    "how", ["kill", "hang", "stop", "stop_first", "kill_half", "stop_half"]
+)
 def test_a_lost_peer_fails_the_gloo_sum(how):
     """Worker 1 stops between two sums. SIGKILLed: worker 0's next gloo sum
     fails within seconds (the socket closes; gloo's own timeout is 30
@@ -322,6 +347,7 @@ def test_a_lost_peer_fails_the_gloo_sum(how):
             )
         )
     survivor = 1 if how == "stop_first" else 0
+    how = how.removesuffix("_half")
     try:
         output, _ = processes[survivor].communicate(timeout=240)
     finally:

@@ -263,3 +263,53 @@ def _auto_strategy_error():
     except ValueError as error:
         return str(error)
     return None
+
+
+def half_sums(lengths, steps=2):
+    """Sums float16 and bfloat16 vectors of `lengths` elements through gloo
+    (`KERAS_DIST_COLLECTIVES=gloo`), worker `i` adding `i + 1` times a
+    fixed random vector per length: returns, per dtype, the sums as float32
+    lists, the bits of TensorFlow's adds of the workers' vectors in worker
+    order (what gloo's half-precision path must return) and how many sums
+    the group's second all-to-all completed."""
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_dist
+    from keras_dist.core import collectives, gloo
+
+    strategy = keras_dist.auto_strategy()
+    rank = strategy.cluster_resolver.task_id
+    workers = strategy.num_replicas_in_sync
+    out = {}
+    for dtype in (tf.float16, tf.bfloat16):
+        base = [
+            tf.constant(np.random.default_rng(n).normal(size=n), tf.float32)
+            for n in lengths
+        ]
+
+        def own(worker, base=base, dtype=dtype):
+            return [tf.cast(b * (worker + 1) / 3, dtype) for b in base]
+
+        @tf.function
+        def step(values):
+            return strategy.run(
+                lambda *parts: collectives.all_reduce_sum(list(parts)), args=values
+            )
+
+        for _ in range(steps):
+            got = step(tuple(own(rank)))
+        expected = own(0)
+        for worker in range(1, workers):
+            expected = [e + v for e, v in zip(expected, own(worker))]
+        out[dtype.name] = {
+            "equal": all(
+                np.array_equal(
+                    tf.bitcast(g, tf.int16).numpy(), tf.bitcast(e, tf.int16).numpy()
+                )
+                for g, e in zip(got, expected)
+            ),
+            "sums": [tf.cast(g, tf.float32).numpy().tolist()[:3] for g in got],
+        }
+    out["issued"] = gloo.group_for(strategy)._halves.issued
+    return out
