@@ -168,6 +168,12 @@ def parse_args(argv=None):
         help="Timed 100 MB all-reduces per framework per round (0: none).",
     )
     parser.add_argument(
+        "--local",
+        action="store_true",
+        help="Also time each model without communication in the same "
+        "processes: Keras on one device, PyTorch without DDP.",
+    )
+    parser.add_argument(
         "--threads-check",
         action="store_true",
         help="Measure keras-dist launch's thread split instead (no PyTorch).",
@@ -443,9 +449,15 @@ def worker_main(job):
                         torch_steps(torch, ddp, optimizer, tx, ty, steps)
                     )
                 )
+        groups = list(job["hooks"])
+        if job.get("local"):
+            runners.update(
+                local_runners(tf, keras, keras_dist, torch, model_name, x, y, own)
+            )
+            groups.append("local")
         durations = {name: [] for name in runners}
         for round_index in range(job["rounds"]):
-            for hook in harness.alternate(job["hooks"], round_index):
+            for hook in harness.alternate(groups, round_index):
                 names = [n for n in runners if n.startswith(hook + "/")]
                 for name in harness.alternate(names, round_index):
                     durations[name] += runners[name](job["steps"])
@@ -453,12 +465,44 @@ def worker_main(job):
             name: {
                 "step_seconds": values,
                 "median_step_seconds": statistics.median(values),
-                "warmup_seconds": first[name],
+                "warmup_seconds": first.get(name),
             }
             for name, values in durations.items()
         }
         del runners
     harness.finish_job(job, results)
+
+
+def local_runners(tf, keras, keras_dist, torch, model_name, x, y, own):
+    """The model of `model_name` on this worker's rows without communication:
+    Keras outside the strategy's scope (one device; `fit` as above, the
+    rows in batches of the per-worker batch) and PyTorch without DDP. What
+    each framework's step costs before any all-reduce: the floor under
+    keras_dist / DDP."""
+    width, hidden, batch, learning_rate = MODELS[model_name]
+    local_data = (
+        tf.data.Dataset.from_tensor_slices((x[own], y[own])).batch(batch).repeat()
+    )
+    model = harness.build_mlp(
+        keras, keras_dist, width, hidden, keras_hook(keras_dist, "none"), learning_rate
+    )
+    model.fit(local_data, epochs=1, steps_per_epoch=3, verbose=0)
+    torch.manual_seed(0)
+    layers, previous = [], width
+    for units in hidden:
+        layers += [torch.nn.Linear(previous, units), torch.nn.ReLU()]
+        previous = units
+    layers.append(torch.nn.Linear(previous, 10))
+    plain = torch.nn.Sequential(*layers)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=learning_rate)
+    tx, ty = torch.from_numpy(x[own]), torch.from_numpy(y[own]).long()
+    torch_steps(torch, plain, optimizer, tx, ty, 3)
+    return {
+        "local/keras": lambda steps: harness.timed_fit(keras, model, local_data, steps),
+        "local/torch": lambda steps: torch_steps(
+            torch, plain, optimizer, tx, ty, steps
+        ),
+    }
 
 
 # --- Parent: namespaces, workers, report --------------------------------------
@@ -469,7 +513,7 @@ def run_condition(args, name):
     cluster = harness.import_stack()[2].cluster
     job = harness.job_from(
         args,
-        *("models", "hooks", "steps", "rounds", "warmup", "all_reduce_reps"),
+        *("models", "hooks", "steps", "rounds", "warmup", "all_reduce_reps", "local"),
         split=condition["split"],
         gloo_port=cluster.free_ports(1)[0],
     )
@@ -524,6 +568,47 @@ def summarize(results) -> dict:
                     item["ratio_gloo_ddp_4m"] = gloo_step / item["ddp_4m"]
                 summary[f"{condition}/{model_name}/{hook}"] = item
     return summary
+
+
+def summarize_local(results) -> dict:
+    """Keras/PyTorch ratio of the medians without communication (`--local`)."""
+    summary = {}
+    for condition, entry in results.items():
+        for model_name in MODELS:
+            rows = entry.get(model_name) or {}
+            if "local/keras" not in rows:
+                continue
+            keras_step = rows["local/keras"]["median_step_seconds"]
+            torch_step = rows["local/torch"]["median_step_seconds"]
+            summary[f"{condition}/{model_name}"] = {
+                "keras": keras_step,
+                "torch": torch_step,
+                "ratio": keras_step / torch_step,
+            }
+    return summary
+
+
+def format_local(summary, rate) -> str:
+    rows = [
+        [
+            CONDITION_LABELS[key.split("/")[0]].format(
+                rate=rate.replace("gbit", " Gbit/s")
+            ),
+            key.split("/")[1],
+            f"{item['keras']:.3f}",
+            f"{item['torch']:.3f}",
+            f"**{item['ratio']:.2f}**",
+        ]
+        for key, item in summary.items()
+    ]
+    header = [
+        "network, threads",
+        "model",
+        "Keras, one device (s)",
+        "PyTorch, no DDP (s)",
+        "Keras / PyTorch",
+    ]
+    return harness.table(header, rows, align="llrrr")
 
 
 def format_table(summary, rate) -> str:
@@ -732,9 +817,13 @@ def run(args, report):
     summary = summarize(results)
     table = format_table(summary, args.rate)
     all_reduce = format_all_reduce(results, args.rate)
+    local = summarize_local(results)
     print(table)
     print()
     print(all_reduce)
+    if local:
+        print("\nWithout communication, in the same processes:\n")
+        print(format_local(local, args.rate))
     defaults = {
         name: entry.get("default_collectives") for name, entry in results.items()
     }
@@ -755,6 +844,7 @@ def run(args, report):
         "ring_floor_seconds": ring_floor_seconds(args.rate),
         "results": results,
         "summary": summary,
+        "local_summary": local,
         "table": table,
         "all_reduce_table": all_reduce,
     }

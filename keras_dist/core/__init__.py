@@ -4,9 +4,10 @@ Pure TensorFlow; nothing here imports Keras (a test imports the core with
 `keras` blocked). From the bottom up:
 
 - `topology`: where this process sits in a strategy (replicas, workers).
-- `gloo`: the optional gloo backend of CPU workers' gradient sums
-  (by default where PyTorch is installed, `KERAS_DIST_COLLECTIVES`;
-  PyTorch's process group).
+- `gloo_group`: one worker's member of a gloo process group (PyTorch's
+  c10d): the sums, all-to-alls and all-gathers it carries; `gloo`: the
+  choice of that backend for CPU workers' collectives (by default where
+  PyTorch is installed, `KERAS_DIST_COLLECTIVES`).
 - `collectives`: the collective layer (owns collective keys; all-reduce,
   all-gather, buckets, packing); every collective of the package.
 - `hooks`: the all-reduce hook protocol; `plain`, `casts`, `topk`,

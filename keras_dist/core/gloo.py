@@ -38,16 +38,17 @@ import tensorflow as tf
 
 from keras_dist._compat import tf_internal
 from keras_dist.cluster import COLLECTIVES_ENV_VAR, check_collectives
-from keras_dist.core.gloo_group import (  # noqa: F401 (the backend's names)
-    _KEY_PREFIX,
-    DEFAULT_TIMEOUT_SECONDS,
-    FAILURE,
-    INSTALL,
+
+# Read here by the rest of the package: the install line, and whether a
+# step's error is a failed gloo collective.
+from keras_dist.core.gloo_group import INSTALL as INSTALL
+from keras_dist.core.gloo_group import (
+    KEY_PREFIX,
     GlooGroup,
-    _import_torch,
-    _NoGloo,
-    is_failure,
+    NoGloo,
+    import_torch,
 )
+from keras_dist.core.gloo_group import is_failure as is_failure
 from keras_dist.core.topology import local_replicas
 
 ENV_VAR = COLLECTIVES_ENV_VAR
@@ -110,8 +111,8 @@ def gloo_missing() -> str | None:
     Imports PyTorch (about 2 s and 180 MiB here, once per process).
     """
     try:
-        _import_torch()
-    except _NoGloo:
+        import_torch()
+    except NoGloo:
         return "this PyTorch build has no gloo"
     except ImportError:
         return "PyTorch is not installed"
@@ -180,7 +181,7 @@ def _check_every_worker_agrees(strategy, choice: Choice) -> None:
     rank = tf_internal.worker_rank(strategy)
     # One key per multi-worker strategy of this process (every worker
     # builds its strategies in the same order; keys are set only once).
-    key = f"{_KEY_PREFIX}backend/{next(_AGREEMENTS)}/"
+    key = f"{KEY_PREFIX}backend/{next(_AGREEMENTS)}/"
     tf_internal.publish_key(f"{key}{rank}", f"{choice.backend}|{choice.reason}")
     for peer in range(workers):
         if peer == rank:
@@ -224,7 +225,7 @@ def use(strategy, enabled: bool = True) -> None:
             if strategy.extended in _groups:
                 _disabled[strategy.extended] = _groups.pop(strategy.extended)
             return
-        _import_torch()
+        import_torch()
         if strategy.extended not in _groups:
             _groups[strategy.extended] = _disabled.pop(strategy.extended, None)
 

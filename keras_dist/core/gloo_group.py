@@ -70,7 +70,7 @@ _GLOO_DTYPES = frozenset(
 )
 # Without a strategy timeout: gloo's (and `torch.distributed`'s) default.
 DEFAULT_TIMEOUT_SECONDS = 1800.0
-_KEY_PREFIX = "keras_dist/gloo/"
+KEY_PREFIX = "keras_dist/gloo/"
 # Starts the error a failed gloo collective raises in its step (TensorFlow
 # reports it as an `UnknownError` of the `tf.numpy_function`).
 FAILURE = "keras_dist's gloo collective failed"
@@ -93,7 +93,9 @@ _HALF_DTYPES = frozenset(["float16", "bfloat16"])
 _ADD_CHUNK = 32768
 
 
-def _import_torch():
+def import_torch():
+    """PyTorch and `torch.distributed`, or an `ImportError` with the install
+    line (`NoGloo`: a PyTorch without gloo)."""
     try:
         import torch
         import torch.distributed as dist
@@ -104,7 +106,7 @@ def _import_torch():
             f"tested with), or unset {ENV_VAR} for TensorFlow's collectives."
         ) from error
     if not dist.is_available() or not dist.is_gloo_available():
-        raise _NoGloo(
+        raise NoGloo(
             f"{ENV_VAR}=gloo: this PyTorch build ({torch.__version__}) has no "
             "gloo backend. Install PyTorch's CPU wheel, or unset "
             f"{ENV_VAR} for TensorFlow's collectives."
@@ -112,8 +114,8 @@ def _import_torch():
     return torch, dist
 
 
-class _NoGloo(ImportError):
-    """PyTorch imports, but this build has no gloo (`_import_torch`)."""
+class NoGloo(ImportError):
+    """PyTorch imports, but this build has no gloo (`import_torch`)."""
 
 
 class GlooGroup:
@@ -142,7 +144,7 @@ class GlooGroup:
         host: str,
         device: str,
     ):
-        torch, dist = _import_torch()
+        torch, dist = import_torch()
         self._device = device
         self._torch = torch
         self.rank = rank
@@ -181,13 +183,13 @@ class GlooGroup:
     @classmethod
     def connect(cls, strategy) -> GlooGroup:
         """Meets `strategy`'s other workers and returns this worker's member."""
-        _, dist = _import_torch()
+        _, dist = import_torch()
         rank = tf_internal.worker_rank(strategy)
         size = strategy.num_replicas_in_sync
         timeout = watchdog.timeout_of(strategy) or DEFAULT_TIMEOUT_SECONDS
         wait = datetime.timedelta(seconds=timeout)
         # One key per strategy: a process may connect several in turn.
-        key = f"{_KEY_PREFIX}{tf_internal.collective_group_base(strategy)}"
+        key = f"{KEY_PREFIX}{tf_internal.collective_group_base(strategy)}"
         host = _own_host(strategy)
         if rank == 0:
             store = dist.TCPStore(
