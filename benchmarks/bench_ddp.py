@@ -233,20 +233,25 @@ class OrderedHook:
         return ordered
 
 
-def build_ddp(torch, width, hidden, hook, config, learning_rate):
-    """The MLP of `build_mlp` in PyTorch, wrapped in DDP with `hook` and the
-    buckets of `config` (a key of `DDP_BUCKET_MB`)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
+def torch_mlp(torch, width, hidden):
+    """The MLP of `build_mlp` in PyTorch (seeded)."""
     torch.manual_seed(0)
     layers, previous = [], width
     for units in hidden:
         layers += [torch.nn.Linear(previous, units), torch.nn.ReLU()]
         previous = units
     layers.append(torch.nn.Linear(previous, 10))
+    return torch.nn.Sequential(*layers)
+
+
+def build_ddp(torch, width, hidden, hook, config, learning_rate):
+    """The MLP of `build_mlp` in PyTorch, wrapped in DDP with `hook` and the
+    buckets of `config` (a key of `DDP_BUCKET_MB`)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
     model = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(*layers), bucket_cap_mb=DDP_BUCKET_MB[config]
+        torch_mlp(torch, width, hidden), bucket_cap_mb=DDP_BUCKET_MB[config]
     )
     if hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -487,13 +492,7 @@ def local_runners(tf, keras, keras_dist, torch, model_name, x, y, own):
         keras, keras_dist, width, hidden, keras_hook(keras_dist, "none"), learning_rate
     )
     model.fit(local_data, epochs=1, steps_per_epoch=3, verbose=0)
-    torch.manual_seed(0)
-    layers, previous = [], width
-    for units in hidden:
-        layers += [torch.nn.Linear(previous, units), torch.nn.ReLU()]
-        previous = units
-    layers.append(torch.nn.Linear(previous, 10))
-    plain = torch.nn.Sequential(*layers)
+    plain = torch_mlp(torch, width, hidden)
     optimizer = torch.optim.SGD(plain.parameters(), lr=learning_rate)
     tx, ty = torch.from_numpy(x[own]), torch.from_numpy(y[own]).long()
     torch_steps(torch, plain, optimizer, tx, ty, 3)
