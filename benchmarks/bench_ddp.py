@@ -569,6 +569,11 @@ def summarize(results) -> dict:
     return summary
 
 
+def condition_label(condition: str, rate: str) -> str:
+    """The row label of `condition` (a key of `CONDITIONS`) at tc `rate`."""
+    return CONDITION_LABELS[condition].format(rate=rate.replace("gbit", " Gbit/s"))
+
+
 def summarize_local(results) -> dict:
     """Keras/PyTorch ratio of the medians without communication (`--local`)."""
     summary = {}
@@ -590,9 +595,7 @@ def summarize_local(results) -> dict:
 def format_local(summary, rate) -> str:
     rows = [
         [
-            CONDITION_LABELS[key.split("/")[0]].format(
-                rate=rate.replace("gbit", " Gbit/s")
-            ),
+            condition_label(key.split("/")[0], rate),
             key.split("/")[1],
             f"{item['keras']:.3f}",
             f"{item['torch']:.3f}",
@@ -616,9 +619,7 @@ def format_table(summary, rate) -> str:
         condition, model_name, hook = key.split("/")
         rows.append(
             [
-                CONDITION_LABELS[condition].format(
-                    rate=rate.replace("gbit", " Gbit/s")
-                ),
+                condition_label(condition, rate),
                 model_name,
                 HOOK_LABELS[hook],
                 f"{item['keras_dist']:.3f}",
@@ -660,9 +661,7 @@ def format_all_reduce(results, rate) -> str:
         backend = times.get("keras_dist_gloo", {}).get("median_seconds")
         rows.append(
             [
-                CONDITION_LABELS[condition].format(
-                    rate=rate.replace("gbit", " Gbit/s")
-                ),
+                condition_label(condition, rate),
                 f"{tf_s:.3f}",
                 "" if whole is None else f"{whole:.3f}",
                 "" if backend is None else f"{backend:.3f}",
@@ -721,7 +720,7 @@ def plot(plt, report, path):
                 ],
                 values,
                 width,
-                label=CONDITION_LABELS[condition].format(rate=label_rate),
+                label=condition_label(condition, rate),
             )
             ax.bar_label(bars, fmt="%.2f", fontsize=6)
             gloo_values = [
@@ -785,10 +784,7 @@ def plot(plt, report, path):
         )
         ax.set_xticks(
             list(positions),
-            [
-                CONDITION_LABELS[c].format(rate=label_rate).replace(", ", "\n")
-                for c in names
-            ],
+            [condition_label(c, rate).replace(", ", "\n") for c in names],
             fontsize=7,
         )
         ax.set_ylabel("seconds (median)")

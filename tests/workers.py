@@ -268,10 +268,11 @@ def _auto_strategy_error():
 def half_sums(lengths, steps=2):
     """Sums float16 and bfloat16 vectors of `lengths` elements through gloo
     (`KERAS_DIST_COLLECTIVES=gloo`), worker `i` adding `i + 1` times a
-    fixed random vector per length: returns, per dtype, the sums as float32
-    lists, the bits of TensorFlow's adds of the workers' vectors in worker
-    order (what gloo's half-precision path must return) and how many sums
-    the group's second all-to-all completed."""
+    fixed random vector per length. Returns, per dtype, whether every sum
+    has the bits of TensorFlow's adds of the workers' vectors in worker
+    order (what gloo's half-precision path must return) and the first 3
+    values of each sum as float32; and how many sums the group's second
+    all-to-all completed."""
     import numpy as np
     import tensorflow as tf
 
@@ -281,14 +282,14 @@ def half_sums(lengths, steps=2):
     strategy = keras_dist.auto_strategy()
     rank = strategy.cluster_resolver.task_id
     workers = strategy.num_replicas_in_sync
+    base = [
+        tf.constant(np.random.default_rng(n).normal(size=n), tf.float32)
+        for n in lengths
+    ]
     out = {}
     for dtype in (tf.float16, tf.bfloat16):
-        base = [
-            tf.constant(np.random.default_rng(n).normal(size=n), tf.float32)
-            for n in lengths
-        ]
 
-        def own(worker, base=base, dtype=dtype):
+        def own(worker, dtype=dtype):
             return [tf.cast(b * (worker + 1) / 3, dtype) for b in base]
 
         @tf.function

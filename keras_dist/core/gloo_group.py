@@ -172,7 +172,8 @@ class GlooGroup:
         )
         self._halves = _HalfSums(self)
         self._last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # Started all-reduces by ticket: (buffer, gloo work). A step that
+        # Started collectives by ticket: (what `_finish` hands back, the gloo
+        # work or `_HalfSum`, the sent buffer kept alive). A step that
         # fails between a start and its finish leaves its entries; the
         # failure (a lost peer) ends the group's use anyway.
         self._in_flight: dict = {}
