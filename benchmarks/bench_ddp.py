@@ -544,8 +544,27 @@ def ring_floor_seconds(rate: str) -> float:
     return 2 * (WORKERS - 1) * ALL_REDUCE_BYTES * 8 / bits_per_second
 
 
-def summarize(results) -> dict:
-    """keras_dist/DDP ratio of the medians, per condition, model and hook."""
+def round_ratios(numerator, denominator, steps: int) -> list:
+    """Per round, the ratio of two configurations' median steps.
+
+    `numerator` and `denominator` are `step_seconds` lists: `steps` values
+    per round, rounds in order. The blocks of one round ran minutes apart
+    at most, so a round's ratio is paired against the machine's drift
+    (other tenants, frequency) that moves a whole run's medians.
+    """
+    return [
+        statistics.median(numerator[start : start + steps])
+        / statistics.median(denominator[start : start + steps])
+        for start in range(0, min(len(numerator), len(denominator)), steps)
+    ]
+
+
+def summarize(results, steps=None) -> dict:
+    """keras_dist/DDP ratio of the medians, per condition, model and hook.
+
+    With `steps` (timed steps per block), also each round's paired
+    keras_dist gloo/DDP 4 MiB ratio (`round_ratios`).
+    """
     summary = {}
     for condition, entry in results.items():
         for model_name in MODELS:
@@ -565,6 +584,12 @@ def summarize(results) -> dict:
                     gloo_step = rows[f"{hook}/keras_gloo"]["median_step_seconds"]
                     item["keras_dist_gloo"] = gloo_step
                     item["ratio_gloo_ddp_4m"] = gloo_step / item["ddp_4m"]
+                    if steps:
+                        item["round_ratios_gloo_ddp_4m"] = round_ratios(
+                            rows[f"{hook}/keras_gloo"]["step_seconds"],
+                            rows[f"{hook}/ddp_4m"]["step_seconds"],
+                            steps,
+                        )
                 summary[f"{condition}/{model_name}/{hook}"] = item
     return summary
 
@@ -627,6 +652,7 @@ def format_table(summary, rate) -> str:
                 f"{item['ddp_4m']:.3f}",
                 f"**{item['ratio_ddp_4m']:.2f}**",
                 f"**{item.get('ratio_gloo_ddp_4m', float('nan')):.2f}**",
+                spread(item.get("round_ratios_gloo_ddp_4m")),
                 "; ".join(
                     f"{DDP_LABELS[c]}: {item[c]:.3f} ({item['ratio_' + c]:.2f})"
                     for c in DDP_CONFIGS[hook][1:]
@@ -642,9 +668,17 @@ def format_table(summary, rate) -> str:
         "DDP 4 MiB step (s)",
         "keras_dist / DDP",
         "keras_dist gloo / DDP",
+        "gloo / DDP per round: median (min-max)",
         "other DDP: step (s) (keras_dist / it)",
     ]
-    return harness.table(header, rows, align="lllrrrrrr")
+    return harness.table(header, rows, align="lllrrrrrrr")
+
+
+def spread(ratios) -> str:
+    """`median (min-max)` of per-round ratios; blank for an older report."""
+    if not ratios:
+        return ""
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def format_all_reduce(results, rate) -> str:
@@ -809,7 +843,7 @@ def run(args, report):
     for name in args.conditions:
         print(f"Running {name}...", flush=True)
         results[name] = run_condition(args, name)
-    summary = summarize(results)
+    summary = summarize(results, args.steps)
     table = format_table(summary, args.rate)
     all_reduce = format_all_reduce(results, args.rate)
     local = summarize_local(results)
