@@ -174,6 +174,15 @@ def parse_args(argv=None):
         "processes: Keras on one device, PyTorch without DDP.",
     )
     parser.add_argument(
+        "--frameworks",
+        choices=("both", "keras", "ddp"),
+        default="both",
+        help="Which framework's models the worker processes build and time: "
+        "both (side by side, the ratios), or one (its medians only; run the "
+        "other in processes of its own to compare without the other "
+        "framework's threads in the process).",
+    )
+    parser.add_argument(
         "--threads-check",
         action="store_true",
         help="Measure keras-dist launch's thread split instead (no PyTorch).",
@@ -419,10 +428,12 @@ def worker_main(job):
         tx, ty = torch.from_numpy(x[own]), torch.from_numpy(y[own]).long()
         runners, first = {}, {}
         use_gloo = harness.gloo_switch()
+        frameworks = job.get("frameworks", "both")
+        keras_backends = () if frameworks == "ddp" else ("keras", "keras_gloo")
         for hook in job["hooks"]:
             # keras_dist with TensorFlow's collectives, then with its gloo
             # backend (the switch acts on what the warm-up fit traces).
-            for backend in ("keras", "keras_gloo"):
+            for backend in keras_backends:
                 use_gloo(strategy, backend == "keras_gloo")
                 with strategy.scope():
                     model = harness.build_mlp(
@@ -442,7 +453,7 @@ def worker_main(job):
                     )
                 )
             use_gloo(strategy, False)
-            for config in DDP_CONFIGS[hook]:
+            for config in DDP_CONFIGS[hook] if frameworks != "keras" else ():
                 ddp, optimizer = build_ddp(
                     torch, width, hidden, hook, config, learning_rate
                 )
@@ -512,7 +523,16 @@ def run_condition(args, name):
     cluster = harness.import_stack()[2].cluster
     job = harness.job_from(
         args,
-        *("models", "hooks", "steps", "rounds", "warmup", "all_reduce_reps", "local"),
+        *(
+            "models",
+            "hooks",
+            "steps",
+            "rounds",
+            "warmup",
+            "all_reduce_reps",
+            "local",
+            "frameworks",
+        ),
         split=condition["split"],
         gloo_port=cluster.free_ports(1)[0],
     )
@@ -572,8 +592,9 @@ def summarize(results, steps=None) -> dict:
             if not rows:
                 continue
             for hook in HOOKS:
-                if f"{hook}/keras" not in rows:
-                    continue
+                configs = [f"{hook}/{c}" for c in ("keras", *DDP_CONFIGS[hook])]
+                if any(name not in rows for name in configs):
+                    continue  # one framework only (`--frameworks`)
                 keras_step = rows[f"{hook}/keras"]["median_step_seconds"]
                 item = {"keras_dist": keras_step}
                 for config in DDP_CONFIGS[hook]:
@@ -672,6 +693,24 @@ def format_table(summary, rate) -> str:
         "other DDP: step (s) (keras_dist / it)",
     ]
     return harness.table(header, rows, align="lllrrrrrrr")
+
+
+def format_medians(results, rate) -> str:
+    """Each configuration's median step: a `--frameworks` run's table."""
+    rows = []
+    for condition, entry in results.items():
+        for model_name in MODELS:
+            for name, item in (entry.get(model_name) or {}).items():
+                rows.append(
+                    [
+                        condition_label(condition, rate),
+                        model_name,
+                        name,
+                        f"{item['median_step_seconds']:.3f}",
+                    ]
+                )
+    header = ["network, threads", "model", "configuration", "median step (s)"]
+    return harness.table(header, rows, align="lllr")
 
 
 def spread(ratios) -> str:
@@ -845,6 +884,8 @@ def run(args, report):
         results[name] = run_condition(args, name)
     summary = summarize(results, args.steps)
     table = format_table(summary, args.rate)
+    if args.frameworks != "both":
+        table = format_medians(results, args.rate)
     all_reduce = format_all_reduce(results, args.rate)
     local = summarize_local(results)
     print(table)
