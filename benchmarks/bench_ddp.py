@@ -767,6 +767,8 @@ def plot(plt, report, path):
     if report.get("threads_check"):
         return None
     summary, rate = report["summary"], report["rate"]
+    if not summary:
+        return None  # one framework only (`--frameworks`): no ratio to plot
     conditions = list(dict.fromkeys(k.split("/")[0] for k in summary))
     models = list(dict.fromkeys(k.split("/")[1] for k in summary))
     all_reduce = {
