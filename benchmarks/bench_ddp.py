@@ -188,7 +188,13 @@ def parse_args(argv=None):
         help="Measure keras-dist launch's thread split instead (no PyTorch).",
     )
     parser.add_argument("--timeout", type=float, default=1500)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.local and args.frameworks != "both":
+        parser.error(
+            f"--local times both frameworks without communication; received "
+            f"--frameworks {args.frameworks}. Drop --local, or use --frameworks both."
+        )
+    return args
 
 
 def require_torch() -> None:
@@ -885,8 +891,9 @@ def run(args, report):
         print(f"Running {name}...", flush=True)
         results[name] = run_condition(args, name)
     summary = summarize(results, args.steps)
-    table = format_table(summary, args.rate)
-    if args.frameworks != "both":
+    if args.frameworks == "both":
+        table = format_table(summary, args.rate)
+    else:
         table = format_medians(results, args.rate)
     all_reduce = format_all_reduce(results, args.rate)
     local = summarize_local(results)
