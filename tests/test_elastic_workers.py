@@ -63,7 +63,12 @@ def reference(tmp_path_factory):
     return tmp / "out"
 
 
-@pytest.mark.parametrize(("left", "steps"), [(3, 4), (2, 6)], ids=["4to3", "4to2"])
+# 4 -> 3: the update batch is held with an accumulation that is not a
+# multiple of the old one (3 -> 4). 4 -> 2 was a case here too (3 -> 6,
+# 100 s on 2 cores); shrinking by a factor is walked by the elastic
+# example's test (3 -> 2 workers, test_examples.py) and in one process by
+# test_elastic.py.
+@pytest.mark.parametrize(("left", "steps"), [(3, 4)], ids=["4to3"])
 def test_a_lost_worker_resumes_on_the_workers_left_exactly(
     tmp_path, reference, left, steps
 ):

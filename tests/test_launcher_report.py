@@ -128,13 +128,21 @@ def test_progress_lines_and_the_chief_alone(tmp_path):
     status, out, _ = launch(
         tmp_path,
         """
-        import os, sys
+        import os, pathlib, sys, time
         task = os.environ["KERAS_DIST_TASK"]
         for i in (1, 2, 3):
             sys.stdout.write(f"\\r{i}/3 [{'=' * i}]")
             sys.stdout.flush()
         print(f" epoch done on {task}", flush=True)
-        if task == "worker:1":
+        # worker:0's line is out before worker:1 fails (a failure stops
+        # the other workers, and a loaded machine may start worker:0 late).
+        shown = pathlib.Path(__file__).with_name("worker-0-done")
+        if task == "worker:0":
+            shown.touch()
+        else:
+            while not shown.exists():
+                time.sleep(0.05)
+            time.sleep(0.5)
             raise RuntimeError("worker 1 has a problem")
         """,
         "--workers",
