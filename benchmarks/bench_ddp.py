@@ -79,6 +79,14 @@ import sys
 import time
 
 import _harness as harness
+from _torch_ddp import (
+    DDP_CONFIGS,
+    DDP_LABELS,
+    POWERSGD_RANK,
+    build_ddp,
+    torch_mlp,
+    torch_steps,
+)
 
 INSTALL_HINT = (
     "bench_ddp.py compares against PyTorch DDP and needs PyTorch: run "
@@ -92,21 +100,6 @@ MODELS = {
 }
 HOOKS = ("none", "fp16", "powersgd")
 HOOK_LABELS = {"none": "uncompressed", "fp16": "FP16", "powersgd": "PowerSGD r4"}
-# The DDP configurations timed against each keras_dist hook: DDP with
-# keras_dist's bucket size first (the ratio), then DDP's default.
-DDP_CONFIGS = {
-    "none": ("ddp_4m", "ddp_25m"),
-    "fp16": ("ddp_4m",),
-    "powersgd": ("ddp_4m", "ddp_1bucket"),
-}
-# MiB; 1024 puts these models in one bucket, where the stock powerSGD_hook
-# runs without `OrderedHook` (the check that the wrapper costs DDP nothing).
-DDP_BUCKET_MB = {"ddp_4m": 4, "ddp_25m": 25, "ddp_1bucket": 1024}
-DDP_LABELS = {
-    "ddp_4m": "DDP, 4 MiB buckets",
-    "ddp_25m": "DDP, 25 MiB buckets (its default)",
-    "ddp_1bucket": "DDP, one bucket, stock hook unwrapped",
-}
 CONDITIONS = {
     "shaped": {"shaped": True, "split": False},
     "shaped_split": {"shaped": True, "split": True},
@@ -120,10 +113,6 @@ CONDITION_LABELS = {
     "unshaped_split": "unshaped, split threads",
 }
 ALL_REDUCE_BYTES = 100_000_000
-POWERSGD_RANK = 4
-# DDP's PowerSGD refuses start_powerSGD_iter < 2 with error feedback or warm
-# start; the warm-up steps run past it, so the timed steps compress in both.
-DDP_POWERSGD_START = 2
 WORKERS = 2
 SPLIT_ENV = {"TF_NUM_INTRAOP_THREADS": "1"}
 # --threads-check: (label, workers, cpu_replicas, extra environment).
@@ -205,101 +194,6 @@ def require_torch() -> None:
 
 
 # --- Worker: both frameworks in one process -----------------------------------
-
-
-class OrderedHook:
-    """Runs a DDP comm hook for one bucket at a time, in bucket order.
-
-    PyTorch's `powerSGD_hook` issues its second and third all-reduce (the P
-    and Q factors) from completion callbacks; with several buckets on gloo,
-    ranks can issue them in different orders and deadlock. Here the hook of
-    each bucket runs on one worker thread and is waited for before the next
-    bucket's starts, so every rank issues the same collectives in the same
-    order, and DDP's autograd thread is not blocked (backward goes on while
-    the buckets are reduced).
-    """
-
-    def __init__(self, torch, hook):
-        import queue
-        import threading
-
-        self._torch = torch
-        self._hook = hook
-        self._queue = queue.Queue()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            state, bucket, result = self._queue.get()
-            try:
-                result.set_result(self._hook(state, bucket).wait())
-            except Exception as error:  # handed to DDP through the future
-                result.set_exception(error)
-
-    def hook(self):
-        """The function to pass to `register_comm_hook` (DDP reads its
-        parameter names: `state`, `bucket`)."""
-
-        def ordered(state, bucket):
-            result = self._torch.futures.Future()
-            self._queue.put((state, bucket, result))
-            return result
-
-        return ordered
-
-
-def torch_mlp(torch, width, hidden):
-    """The MLP of `build_mlp` in PyTorch (seeded)."""
-    torch.manual_seed(0)
-    layers, previous = [], width
-    for units in hidden:
-        layers += [torch.nn.Linear(previous, units), torch.nn.ReLU()]
-        previous = units
-    layers.append(torch.nn.Linear(previous, 10))
-    return torch.nn.Sequential(*layers)
-
-
-def build_ddp(torch, width, hidden, hook, config, learning_rate):
-    """The MLP of `build_mlp` in PyTorch, wrapped in DDP with `hook` and the
-    buckets of `config` (a key of `DDP_BUCKET_MB`)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-    model = torch.nn.parallel.DistributedDataParallel(
-        torch_mlp(torch, width, hidden), bucket_cap_mb=DDP_BUCKET_MB[config]
-    )
-    if hook == "fp16":
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif hook == "powersgd":
-        state = psgd.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=POWERSGD_RANK,
-            start_powerSGD_iter=DDP_POWERSGD_START,
-            min_compression_rate=2,
-            use_error_feedback=True,
-            warm_start=True,
-        )
-        hook = psgd.powerSGD_hook
-        if config != "ddp_1bucket":
-            hook = OrderedHook(torch, hook).hook()
-        model.register_comm_hook(state, hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate)
-    return model, optimizer
-
-
-def torch_steps(torch, model, optimizer, x, y, steps):
-    """Runs `steps` DDP steps; returns the wall time of each."""
-    durations = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        # On CPU backward returns after DDP has waited for every bucket.
-        loss.backward()
-        optimizer.step()
-        float(loss.item())
-        durations.append(time.perf_counter() - start)
-    return durations
 
 
 def keras_hook(keras_dist, hook):
