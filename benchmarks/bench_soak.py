@@ -96,6 +96,9 @@ def worker_main(job):
     y = x.sum(axis=1, keepdims=True)
     if job["config"] == "keras_dist":
         os.environ["KERAS_DIST_COLLECTIVE_TIMEOUT"] = str(TIMEOUT_SECONDS)
+        # TensorFlow's collectives, as the loops it is compared with (where
+        # PyTorch is installed the default is gloo).
+        os.environ["KERAS_DIST_COLLECTIVES"] = "tensorflow"
         keras_fit(keras, keras_dist, x, y, sampler, job["steps"])
     else:
         timeout = TIMEOUT_SECONDS if job["config"] == "TF loop, timeout" else None

@@ -15,7 +15,8 @@ STEPS tiny steps of one `fit` epoch:
 - `ps`: under parameter servers (the chief coordinates; the workers and the
   ps task only serve, and are sampled all the same).
 
-The chief (or worker:0) writes OUT/done when every phase ended.
+The chief (or worker:0) writes OUT/done when every phase ended: the backend
+that carried the sums (`gloo`, `tensorflow` or `parameter servers`).
 """
 
 import os
@@ -25,9 +26,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import keras_dist
 from keras_dist.compression import FP16, PowerSGD
+from keras_dist.core import gloo
 
 FEATURES = 4
 BATCH = 8
@@ -87,8 +90,12 @@ def main():
         train(strategy, phase, steps, out, sampler)
     sampler.stop()
     if task in ("chief:0", "worker:0"):
+        # What carried the sums, for the test to check.
+        backend = "parameter servers"
+        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            backend = gloo.choose(strategy).backend
         with open(os.path.join(out, "done"), "w") as handle:
-            handle.write("done\n")
+            handle.write(f"{backend}\n")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Long runs stay flat: threads, open files and memory of every task of a
-multi-worker job under `keras-dist launch` with its defaults.
+multi-worker job under `keras-dist launch` with its defaults, on the
+collectives each test names (the worker writes which carried the sums).
 
 Each test launches `tests/soak_worker.py`, which samples its process once a
 second (`keras_dist.testing.ResourceSampler`) while it trains thousands of
@@ -89,6 +90,9 @@ def soak(tmp_path, *phases, launch_args=(), env=None, timeout=900):
         output = log.read()
     assert launcher.returncode == 0, output[-4000:]
     assert (tmp_path / "done").exists(), output[-4000:]
+    wanted = (env or {}).get("KERAS_DIST_COLLECTIVES")
+    if wanted and "--ps" not in launch_args:
+        assert (tmp_path / "done").read_text().strip() == wanted
     for task, rows in outside.items():
         with open(tmp_path / f"{task}.jsonl", "w") as handle:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
@@ -186,9 +190,15 @@ def test_long_fits_under_the_launcher_keep_threads_files_and_memory_flat(
     # The reproduction of the crash (a DistributedModel, SGD, the launcher's
     # default 300 s collective timeout) at 12,000 steps, then a hook each,
     # then asynchronous backups every 25 steps, each a new model in the
-    # same processes.
+    # same processes. On TensorFlow's collectives, where the crash was:
+    # where PyTorch is installed (as here) the default is gloo, whose soak
+    # is the next test.
     phases = [("plain", 12000), ("fp16", 3000), ("powersgd", 3000), ("backup", 3000)]
-    samples = soak(tmp_path, *(f"{p}:{n}" for p, n in phases))
+    samples = soak(
+        tmp_path,
+        *(f"{p}:{n}" for p, n in phases),
+        env={"KERAS_DIST_COLLECTIVES": "tensorflow"},
+    )
     assert sorted(samples) == ["worker-0", "worker-1"]
     assert_flat(training_windows(samples, phases))
     # Every phase ran all its steps on both workers (the last sample of a
