@@ -207,16 +207,18 @@ def test_sigkill_inside_a_diloco_window_resumes_exactly(tmp_path, references):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
-def test_gloo_backend_sigkill_resumes_exactly_as_tensorflow_collectives(
+def test_tensorflow_collectives_sigkill_resumes_exactly_as_the_default(
     tmp_path, references
 ):
-    """The same kill with KERAS_DIST_COLLECTIVES=gloo: the survivor's step
-    fails, the restarted job meets again through a new gloo group, and the
-    run ends with the weights of the reference (TensorFlow's collectives).
+    """The same kill with KERAS_DIST_COLLECTIVES=tensorflow: the run ends
+    with the weights of the reference, which ran on the default collectives
+    (gloo where PyTorch is installed, as in the suite's environment; then
+    test_sigkill_mid_accumulation_powersgd_resumes_exactly is the gloo
+    run's kill, and this one TensorFlow's).
     fault_worker.py accumulates gradients, whose sums run in a `tf.cond`
-    and so stay on TensorFlow's collectives; the step's metric sums go
-    through gloo (test_gloo.py covers the gradients')."""
-    pytest.importorskip("torch", reason="the gloo backend needs PyTorch")
+    and so stay on TensorFlow's collectives either way; the step's metric
+    sums go through gloo under the default (test_gloo.py covers the
+    gradients')."""
     status, output, _ = launch(
         tmp_path,
         "--config",
@@ -224,7 +226,7 @@ def test_gloo_backend_sigkill_resumes_exactly_as_tensorflow_collectives(
         "--hurt",
         "0:kill:7",
         max_restarts=1,
-        env={"KERAS_DIST_COLLECTIVES": "gloo"},
+        env={"KERAS_DIST_COLLECTIVES": "tensorflow"},
     )
     assert status == 0, output[-3000:]
     assert "restart 1 of 1: worker:1 failed with exit code 137" in output
