@@ -88,3 +88,38 @@ def test_uneven_last_batch_in_two_worker_processes():
                 batch,
                 steps,
             )
+
+
+def test_equal_batches_pass_gradients_through_bit_for_bit(mirrored):
+    # Weight 1 (equal batches): the gradient itself, NaN and -0.0 included,
+    # with no product on the way to the all-reduce; unequal batches: the
+    # weighted product, and zeros for an empty replica.
+    import numpy as np
+    import tensorflow as tf
+
+    from keras_dist.core import aggregation
+
+    strategy = mirrored(2)
+    gradient = tf.constant([1.5, -0.0, np.nan, 3.0])
+
+    @tf.function
+    def weighted(sizes):
+        def step():
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            (out,) = aggregation.weight_by_batch_share([gradient], sizes[replica])
+            return out
+
+        return strategy.run(step)
+
+    def per_replica(sizes):
+        result = weighted(tf.constant(sizes))
+        return [t.numpy() for t in strategy.experimental_local_results(result)]
+
+    for got in per_replica([4, 4]):
+        assert got.tobytes() == gradient.numpy().tobytes()
+    first, second = per_replica([3, 1])
+    np.testing.assert_array_equal(first[[0, 1, 3]], [2.25, 0.0, 4.5])
+    np.testing.assert_array_equal(second[[0, 1, 3]], [0.75, 0.0, 1.5])
+    first, second = per_replica([2, 0])
+    assert np.isnan(first[2])
+    np.testing.assert_array_equal(second, [0.0, 0.0, 0.0, 0.0])
