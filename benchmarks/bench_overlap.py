@@ -47,7 +47,6 @@ command to the JSON file, and plots next to it (`.png`, `_trace.png`).
 
 from __future__ import annotations
 
-import glob
 import os
 import statistics
 import sys
@@ -55,6 +54,7 @@ import tempfile
 import time
 
 import _harness as harness
+import _profile
 
 MODELS = {
     # name: (input width, hidden layers, global batch)
@@ -294,31 +294,7 @@ def read_trace(folder) -> dict:
     for the other worker), and how much of the collectives' time fell inside
     the backward pass.
     """
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    (path,) = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.xplane.pb"))
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as handle:
-        space.ParseFromString(handle.read())
-    (plane,) = [p for p in space.planes if p.name == "/host:CPU"]
-    events = []
-    steps = []
-    for line in plane.lines:
-        for event in line.events:
-            name = plane.event_metadata[event.metadata_id].name
-            start = (line.timestamp_ns * 1000 + event.offset_ps) / 1e9  # ms
-            end = start + event.duration_ps / 1e9
-            if name.startswith("EagerLocalExecute: __inference_") and (
-                "step_on_iterator" in name
-            ):
-                steps.append((start, end))
-            elif ":" in name and "::" not in name:
-                op_name, op_type = name.rsplit(":", 1)
-                events.append((start, end, op_name, op_type))
-    if not steps:
-        raise RuntimeError(f"no train step found in the trace of {folder}")
-    step_start, step_end = max(steps)
-    kept = [e for e in events if step_start <= e[0] <= step_end]
+    step_start, step_end, kept = _profile.last_step_ops(folder)
     backward = [e for e in kept if "gradient_tape" in e[2] and e[1] - e[0] > 0.05]
     collectives = [
         e for e in kept if e[3] == "CollectiveReduceV2" and e[1] - e[0] > 1.0

@@ -72,6 +72,7 @@ import tempfile
 import time
 
 import _harness as harness
+import _profile
 import _torch_sharding
 from _torch_sharding import TORCH_CONFIGS, TORCH_LABELS
 
@@ -348,32 +349,10 @@ def read_profile(folder, top=14) -> dict:
     than the step; they say where the work went (matrix products, copies,
     collectives, the optimizer's arithmetic, assignments).
     """
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    (path,) = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.xplane.pb"))
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as handle:
-        space.ParseFromString(handle.read())
-    (plane,) = [p for p in space.planes if p.name == "/host:CPU"]
-    steps, events = [], []
-    for line in plane.lines:
-        for event in line.events:
-            name = plane.event_metadata[event.metadata_id].name
-            start = (line.timestamp_ns * 1000 + event.offset_ps) / 1e9  # ms
-            end = start + event.duration_ps / 1e9
-            if name.startswith("EagerLocalExecute: __inference_") and (
-                "step_on_iterator" in name
-            ):
-                steps.append((start, end))
-            elif ":" in name and "::" not in name:
-                events.append((start, end, name.rsplit(":", 1)[1]))
-    if not steps:
-        raise RuntimeError(f"no train step found in the trace of {folder}")
-    step_start, step_end = max(steps)
+    step_start, step_end, ops = _profile.last_step_ops(folder)
     busy: dict = {}
-    for start, end, op_type in events:
-        if step_start <= start <= step_end:
-            busy[op_type] = busy.get(op_type, 0.0) + end - start
+    for start, end, _, op_type in ops:
+        busy[op_type] = busy.get(op_type, 0.0) + end - start
     ranked = sorted(busy.items(), key=lambda item: -item[1])
     return {
         "step_ms": step_end - step_start,

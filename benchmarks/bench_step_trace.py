@@ -31,13 +31,13 @@ Needs root and iproute2 (`ip`), and PyTorch (extra `bench`):
 from __future__ import annotations
 
 import collections
-import glob
 import os
 import statistics
 import sys
 import tempfile
 
 import _harness as harness
+import _profile
 from _torch_ddp import build_ddp, torch_steps
 
 # (input width, hidden layers, per-worker batch, learning rate): bench_ddp's
@@ -140,30 +140,7 @@ def worker_main(job):
 
 def read_keras_trace(folder) -> dict:
     """Worker 0's last profiled step: its timeline and time per op type."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    (path,) = glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.xplane.pb"))
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as handle:
-        space.ParseFromString(handle.read())
-    (plane,) = [p for p in space.planes if p.name == "/host:CPU"]
-    events, steps = [], []
-    for line in plane.lines:
-        for event in line.events:
-            name = plane.event_metadata[event.metadata_id].name
-            start = (line.timestamp_ns * 1000 + event.offset_ps) / 1e9  # ms
-            end = start + event.duration_ps / 1e9
-            if name.startswith("EagerLocalExecute: __inference_") and (
-                "step_on_iterator" in name
-            ):
-                steps.append((start, end))
-            elif ":" in name and "::" not in name:
-                op_name, op_type = name.rsplit(":", 1)
-                events.append((start, end, op_name, op_type))
-    if not steps:
-        raise RuntimeError(f"no train step found in the trace of {folder}")
-    step_start, step_end = max(steps)
-    kept = sorted(e for e in events if step_start <= e[0] <= step_end)
+    step_start, step_end, kept = _profile.last_step_ops(folder)
     per_type = collections.defaultdict(float)
     for start, end, _, op_type in kept:
         per_type[op_type] += end - start
