@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -192,6 +193,8 @@ def run(args, report):
                 traces["keras_default_collectives"] = result["default_collectives"]
             else:
                 traces["ddp_ops"] = result["ops"]
+            # Each round's profile is read (the last one kept) and dropped.
+            shutil.rmtree(folder, ignore_errors=True)
     medians = {name: statistics.median(values) for name, values in steps.items()}
     summary = {
         "median_step_seconds": medians,
