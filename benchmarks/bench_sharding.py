@@ -77,9 +77,18 @@ import _torch_sharding
 from _torch_sharding import TORCH_CONFIGS, TORCH_LABELS
 
 WIDTHS = (1024, 4096, 4096, 1024)
-CONFIGS = ("unsharded", "sharded")
-LABELS = {"unsharded": "Adam", "sharded": "ShardedOptimizer(Adam)"}
-COLORS = {"unsharded": "#1f77b4", "sharded": "#ff7f0e", "fsdp2": "#2ca02c"}
+CONFIGS = ("unsharded", "sharded", "one_segment")
+LABELS = {
+    "unsharded": "Adam",
+    "sharded": "ShardedOptimizer(Adam)",
+    "one_segment": "ShardedOptimizer(Adam, bucket_bytes=None)",
+}
+COLORS = {
+    "unsharded": "#1f77b4",
+    "sharded": "#ff7f0e",
+    "one_segment": "#9467bd",
+    "fsdp2": "#2ca02c",
+}
 WORKER_SETTINGS = ("workers", "gloo", "torch")
 GOAL = 1.05
 ALLOCATORS = {
@@ -118,6 +127,19 @@ def parse_args(argv=None):
             "What to run: 2 worker processes (TensorFlow's collectives, and/or "
             "gloo's), logical replicas, and/or PyTorch's DDP, "
             "ZeroRedundancyOptimizer and FSDP2 on 2 worker processes."
+        ),
+    )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=CONFIGS,
+        default=list(CONFIGS),
+        help=(
+            "keras_dist's configurations: Adam, ShardedOptimizer(Adam) (its "
+            "segments of 4 MiB, reduce-scattered during the backward pass) "
+            "and ShardedOptimizer(Adam, bucket_bytes=None) (one segment: the "
+            "whole model flattened, after the backward pass). 'unsharded' is "
+            "always run."
         ),
     )
     parser.add_argument(
@@ -164,7 +186,7 @@ def status_mib(field: str) -> float:
     raise RuntimeError(f"/proc/self/status has no {field} line.")
 
 
-def build_model(keras, keras_dist, sharded: bool):
+def build_model(keras, keras_dist, config: str):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((WIDTHS[0],))
     h = inputs
@@ -173,8 +195,10 @@ def build_model(keras, keras_dist, sharded: bool):
     outputs = keras.layers.Dense(WIDTHS[-1])(h)
     model = keras_dist.DistributedModel(inputs, outputs)
     optimizer = keras.optimizers.Adam(1e-4)
-    if sharded:
+    if config == "sharded":
         optimizer = keras_dist.ShardedOptimizer(optimizer)
+    elif config == "one_segment":
+        optimizer = keras_dist.ShardedOptimizer(optimizer, bucket_bytes=None)
     model.compile(optimizer=optimizer, loss="mse")
     return model
 
@@ -269,7 +293,7 @@ def worker_main(job):
     y = rng.normal(size=(samples, WIDTHS[-1])).astype("float32")
     dataset = harness.sharded_dataset(tf, x, y, job["batch_size"])
     with strategy.scope():
-        model = build_model(keras, keras_dist, job["config"] == "sharded")
+        model = build_model(keras, keras_dist, job["config"])
     rss_built = status_mib("VmRSS")
     start = time.perf_counter()
     model.fit(dataset, epochs=1, steps_per_epoch=1 + job["warmup"], verbose=0)
@@ -347,17 +371,37 @@ def read_profile(folder, top=14) -> dict:
 
     Ops run on several threads at once, so the busy times add up to more
     than the step; they say where the work went (matrix products, copies,
-    collectives, the optimizer's arithmetic, assignments).
+    collectives, the optimizer's arithmetic, assignments). Also the overlap:
+    the span of the backward pass (`gradient_tape/...` ops), the time of
+    the collectives longer than 1 ms (all-reduces, all-to-alls, gathers) and
+    how much of it fell inside that span.
     """
     step_start, step_end, ops = _profile.last_step_ops(folder)
     busy: dict = {}
     for start, end, _, op_type in ops:
         busy[op_type] = busy.get(op_type, 0.0) + end - start
     ranked = sorted(busy.items(), key=lambda item: -item[1])
+    backward = [e for e in ops if "gradient_tape" in e[2] and e[1] - e[0] > 0.05]
+    collectives = [
+        e for e in ops if e[3].startswith("Collective") and e[1] - e[0] > 1.0
+    ]
+    inside = 0.0
+    span = (0.0, 0.0)
+    if backward:
+        span = (min(e[0] for e in backward), max(e[1] for e in backward))
+        for start, end, *_ in collectives:
+            inside += max(0.0, min(end, span[1]) - max(start, span[0]))
     return {
         "step_ms": step_end - step_start,
         "busy_ms_by_op_type": dict(ranked[:top]),
         "busy_ms_other": sum(ms for _, ms in ranked[top:]),
+        "backward_ms": span[1] - span[0],
+        "collective_ms": sum(e[1] - e[0] for e in collectives),
+        "collective_ms_during_backward": inside,
+        "collective_intervals": [
+            (s - step_start, e - step_start, t) for s, e, _, t in collectives
+        ],
+        "backward_span": (span[0] - step_start, span[1] - step_start),
     }
 
 
@@ -426,8 +470,10 @@ def conditions(setting):
     return ("one process",) if setting == "logical" else ("unshaped", "shaped")
 
 
-def configs(setting):
-    return TORCH_CONFIGS if setting == "torch" else CONFIGS
+def configs(setting, chosen=CONFIGS):
+    if setting == "torch":
+        return TORCH_CONFIGS
+    return tuple(c for c in CONFIGS if c == "unsharded" or c in chosen)
 
 
 def label(setting, config) -> str:
@@ -478,6 +524,11 @@ def summarize(runs) -> dict:
             row["round_ratios"] = [
                 s / u for s, u in zip(sharded["round_medians"], base["round_medians"])
             ]
+            if "one_segment" in row:
+                row["one_segment_step_ratio"] = (
+                    row["one_segment"]["median_step_seconds"]
+                    / base["median_step_seconds"]
+                )
             if "fsdp2" in row:
                 row["fsdp2_step_ratio"] = (
                     row["fsdp2"]["median_step_seconds"] / base["median_step_seconds"]
@@ -506,7 +557,7 @@ def format_table(summary, rate) -> str:
             "torch": f"{first['replicas']} workers, PyTorch (gloo)",
         }.get(setting, f"{first['replicas']} logical replicas, 1 process")
         network = f"shaped {rate}" if condition == "shaped" else condition
-        for config in configs(setting):
+        for config in [c for c in configs(setting) if c in row]:
             cell = row[config]
             ratio = cell["median_step_seconds"] / first["median_step_seconds"]
             rows.append(
@@ -548,6 +599,7 @@ def format_profile(summary) -> str:
     """Busy ms per op type in one profiled step, Adam vs sharded."""
     row = summary.get("workers/unshaped", {})
     profiles = {c: row[c]["profile"] for c in CONFIGS if "profile" in row.get(c, {})}
+    present = list(profiles)
     if len(profiles) < 2:
         return ""
     busy = {c: p["busy_ms_by_op_type"] for c, p in profiles.items()}
@@ -556,12 +608,20 @@ def format_profile(summary) -> str:
         key=lambda t: -max(b.get(t, 0) for b in busy.values()),
     )
     rows = [
-        ["step (wall)", *(f"{profiles[c]['step_ms']:.0f}" for c in CONFIGS)],
-        *([f"`{t}`", *(f"{busy[c].get(t, 0):.0f}" for c in CONFIGS)] for t in op_types),
-        ["other op types", *(f"{profiles[c]['busy_ms_other']:.0f}" for c in CONFIGS)],
+        ["step (wall)", *(f"{profiles[c]['step_ms']:.0f}" for c in present)],
+        *(
+            [name, *(f"{profiles[c].get(key, 0):.0f}" for c in present)]
+            for name, key in (
+                ("backward pass (span)", "backward_ms"),
+                ("collectives > 1 ms", "collective_ms"),
+                ("... of it during the backward pass", "collective_ms_during_backward"),
+            )
+        ),
+        *([f"`{t}`", *(f"{busy[c].get(t, 0):.0f}" for c in present)] for t in op_types),
+        ["other op types", *(f"{profiles[c]['busy_ms_other']:.0f}" for c in present)],
     ]
     return harness.table(
-        ["op type (worker 0)", *(f"{LABELS[c]} (ms)" for c in CONFIGS)], rows
+        ["op type (worker 0)", *(f"{LABELS[c]} (ms)" for c in present)], rows
     )
 
 
@@ -583,6 +643,7 @@ def plot(plt, report, path):
     legend = {
         "unsharded": "unsharded (Adam; PyTorch: DDP + Adam)",
         "sharded": "sharded (ShardedOptimizer; PyTorch: ZeroRedundancyOptimizer)",
+        "one_segment": "ShardedOptimizer, one segment (bucket_bytes=None)",
         "fsdp2": "PyTorch FSDP2 (reshard_after_forward=False)",
     }
     labelled = set()
@@ -642,13 +703,17 @@ def run(args, report):
     if set(WORKER_SETTINGS) & set(args.settings):
         harness.require_root("bench_sharding")
     runs = {
-        setting: {c: {k: [] for k in configs(setting)} for c in conditions(setting)}
+        setting: {
+            c: {k: [] for k in configs(setting, args.configs)}
+            for c in conditions(setting)
+        }
         for setting in args.settings
     }
     for round_index in range(args.rounds):
         for setting in args.settings:
             for condition in harness.alternate(conditions(setting), round_index):
-                for config in harness.alternate(configs(setting), round_index):
+                chosen = configs(setting, args.configs)
+                for config in harness.alternate(chosen, round_index):
                     runs[setting][condition][config].append(
                         launch(args, setting, config, condition, round_index)
                     )
@@ -665,6 +730,9 @@ def run(args, report):
     for key, row in summary.items():
         verdict = "meets" if row["step_ratio"] <= GOAL else "MISSES"
         print(f"{key}: sharded/unsharded {row['step_ratio']:.3f} ({verdict} {GOAL}x)")
+        if "one_segment_step_ratio" in row:
+            ratio = row["one_segment_step_ratio"]
+            print(f"{key}: one segment/unsharded {ratio:.3f}")
         if "fsdp2_step_ratio" in row:
             print(f"{key}: FSDP2/unsharded {row['fsdp2_step_ratio']:.3f}")
     report.write(

@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist._compat import keras_src as _compat
-from keras_dist.core import aggregation, sharding
+from keras_dist.core import aggregation, collectives, sharding, topology
 
 
 class Shards:
@@ -94,7 +94,6 @@ class Shards:
         dense_flags = [a and i not in rows for i, a in enumerate(active)]
         positions = [self.local_positions(dense_flags, replica)]
         values = [tf.gather(local, positions[0])]
-        start = tf.cast(replica, tf.int64) * size
         for index, grad in rows.items():
             shape = self.layout.shapes[index]
             width = int(np.prod(shape[1:], dtype=np.int64))
@@ -104,8 +103,8 @@ class Shards:
             )
             flat = tf.reshape(flat, [-1])
             row_values = tf.reshape(tf.cast(grad.values, local.dtype), [-1])
-            mine = (flat >= start) & (flat < start + size)
-            positions.append(tf.boolean_mask(flat, mine) - start)
+            mine, at = self.layout.positions(flat, replica)
+            positions.append(at)
             values.append(tf.boolean_mask(row_values, mine))
         return tf.IndexedSlices(
             tf.concat(values, axis=0),
@@ -157,7 +156,9 @@ class Shards:
         if base.clipnorm:
             if self._segments is None:
                 self._segments = self.layout.segment_ids()
-            segments = self.layout.local(self._segments, replica)
+            segments = self.layout.local(
+                self._segments, replica, fill=len(self.layout.sizes)
+            )
             norms = sharding.per_variable_norms(self.layout, local, segments)
             factors = base.clipnorm / tf.maximum(norms, base.clipnorm)
             local = local * tf.cast(tf.gather(factors, segments), local.dtype)
@@ -166,6 +167,26 @@ class Shards:
             factor = base.global_clipnorm / tf.maximum(norm, base.global_clipnorm)
             local = local * tf.cast(factor, local.dtype)
         return local
+
+    def gathered(self, tf_variable) -> np.ndarray:
+        """Every replica's slice of a per-replica variable, joined into the
+        vector of the variables' order (what is saved), unpadded."""
+        strategy = self.strategy
+        slices = strategy.experimental_local_results(tf_variable)
+        if strategy.num_replicas_in_sync == len(slices):
+            stack = np.stack([np.asarray(s.numpy()) for s in slices])
+        else:
+            stack = np.asarray(collectives.gather_across(strategy, tf_variable))
+        return self.layout.to_whole(stack.reshape(strategy.num_replicas_in_sync, -1))
+
+    def assign_slices(self, tf_variable, value) -> None:
+        """A whole saved vector, resharded into this strategy's slices."""
+        slices = self.layout.to_slices(np.asarray(value))
+        first, _ = topology.worker_layout(self.strategy)
+        for offset, component in enumerate(
+            self.strategy.experimental_local_results(tf_variable)
+        ):
+            component.assign(slices[first + offset])
 
     def assign(self, values) -> None:
         """Every model variable its gathered value (cross-replica update)."""

@@ -20,8 +20,8 @@ from keras_dist.core import (
     casts,
     collectives,
     sharding,
-    topology,
 )
+from keras_dist.core.hook_types import DEFAULT_BUCKET_BYTES
 from keras_dist.core.optimizer_view import nested_optimizers
 from keras_dist.core.plain import NoCompression
 
@@ -33,14 +33,19 @@ class ShardedOptimizer(InnerOptimizerWrapper):
     Adam keeps two slots per weight, so every replica of a model of `P`
     float32 parameters holds `8P` bytes of optimizer state, the same on every
     replica. Wrapped in `ShardedOptimizer`, each of the `N` replicas owns an
-    equal slice of the flattened parameters and keeps the optimizer state of
-    its slice only: `8P / N` bytes, plus its float32 copy of the slice
-    (`4P / N`). An update reduce-scatters the gradients (each replica gets
-    the sum of its slice), runs the wrapped optimizer's own update on the
-    slice, and all-gathers the updated slices into every replica's weights:
-    the bytes of one all-reduce, as without sharding (Rajbhandari et al.,
-    "ZeRO", SC 2020; PyTorch's `ZeroRedundancyOptimizer`). The weights equal
-    the unsharded optimizer's, to float rounding.
+    equal slice of the parameters and keeps the optimizer state of its slice
+    only: `8P / N` bytes, plus its float32 copy of the slice (`4P / N`). The
+    parameters are cut into segments of about `bucket_bytes` (whole
+    variables, from the last back, as the all-reduce's buckets are), and
+    each segment is split into `N` equal pieces: a replica's slice is its
+    piece of every segment. An update reduce-scatters each segment's
+    gradients as soon as the backward pass has computed them (each replica
+    gets the sum of its pieces, while the backward pass goes on), runs the
+    wrapped optimizer's own update on the slice, and all-gathers the updated
+    pieces into every replica's weights, segment by segment: the bytes of
+    one all-reduce, as without sharding, and no copy of the whole model on
+    the step (Rajbhandari et al., "ZeRO", SC 2020; DeepSpeed's stage 2).
+    The weights equal the unsharded optimizer's, to float rounding.
 
     With `accumulation_steps=k > 1` (stage 2) every micro-step's gradients
     are reduce-scattered into slice-sized accumulators (their memory is 1/N
@@ -87,6 +92,12 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             `LossScaleOptimizer` around one.
         accumulation_steps: Int >= 1. Micro-steps per update, with
             reduce-scattered slice accumulators (stage 2). Defaults to `1`.
+        bucket_bytes: Int or `None`. The size of a segment in bytes: one
+            reduce-scatter and one all-gather each. Defaults to
+            `keras_dist.compression.DEFAULT_BUCKET_BYTES` (4 MiB). `None`:
+            one segment, the whole model flattened (one collective each,
+            after the backward pass). The saved state does not depend on
+            it: a backup or `.keras` file loads with any value.
         name: String or `None`. Name of the optimizer.
         **kwargs: Base optimizer arguments, accepted only at their Keras
             default values: set them on `inner_optimizer`.
@@ -109,7 +120,14 @@ class ShardedOptimizer(InnerOptimizerWrapper):
     ```
     """
 
-    def __init__(self, inner_optimizer, accumulation_steps=1, name=None, **kwargs):
+    def __init__(
+        self,
+        inner_optimizer,
+        accumulation_steps=1,
+        bucket_bytes=DEFAULT_BUCKET_BYTES,
+        name=None,
+        **kwargs,
+    ):
         check_base_kwargs("ShardedOptimizer", kwargs)
         check_inner(inner_optimizer)
         steps = check_int(
@@ -119,9 +137,11 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             maximum=10**9,
             hint="1 means no accumulation.",
         )
+        bucket_bytes = collectives.check_bucket_bytes(bucket_bytes)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self._accumulation_steps = steps
+        self._bucket_bytes = bucket_bytes
 
     # --- The wrapped optimizer ----------------------------------------------
 
@@ -166,7 +186,12 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             )
         dtype = next(iter(dtypes))
         replicas = strategy.num_replicas_in_sync
-        layout = sharding.ShardLayout([v.shape for v in var_list], replicas)
+        layout = sharding.ShardLayout(
+            [v.shape for v in var_list],
+            replicas,
+            bucket_bytes=self._bucket_bytes,
+            itemsize=dtype.size,
+        )
         _compat.set_untracked_attribute(
             self,
             "_shards",
@@ -237,23 +262,28 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         )
 
     @property
+    def bucket_bytes(self):
+        """The size of a segment of the layout in bytes (`None`: one)."""
+        return self._bucket_bytes
+
+    @property
     def shard_rules(self) -> dict:
-        """`id(variable) -> unpadded length` of the per-replica slices.
+        """`id(variable) -> segment lengths` of the per-replica slices.
 
         What `keras_dist.state.training_state` records as the `"shard"`
-        rule: the slices are pieces of one vector, resharded (not summed or
-        copied) on another replica count.
+        rule: the slices are pieces of one vector's segments, resharded (not
+        summed or copied) on another replica count.
         """
         if not self.built:
             return {}
-        total = self._shards.layout.total
+        segments = tuple(self._shards.layout.segments)
         sliced = [self._slice, *self._base.variables]
         if self._accumulation_steps > 1:
             sliced.append(self._accumulator)
         # Without a strategy (one replica) the slice is an ordinary variable
         # holding the whole vector: the inventory's 'same', not a shard.
         return {
-            id(_tf_variable(v)): total
+            id(_tf_variable(v)): segments
             for v in sliced
             if tuple(v.shape) == (self._shards.layout.slice_size,)
             and isinstance(_tf_variable(v), tf.distribute.DistributedValues)
@@ -357,7 +387,8 @@ class ShardedOptimizer(InnerOptimizerWrapper):
                 weighted = iter(weighted)
                 grads = [None if g is None else next(weighted) for g in grads]
             local = self._reduce_to_owners(
-                shards.layout.flatten(shards.dense(grads), self._slice.dtype), hook
+                shards.layout.segment_flats(shards.dense(grads), self._slice.dtype),
+                hook,
             )
             # Sparse gradients travel as rows, every replica's gathered, as
             # the unsharded path sends them.
@@ -382,9 +413,9 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         dense = [None if g is None else tf.convert_to_tensor(g) for g in grads]
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         examples = tf.cast(1 if batch_size is None else batch_size, tf.float32)
-        flat = shards.layout.flatten(shards.dense(dense), self._slice.dtype)
-        flat = flat * tf.cast(examples * replicas, flat.dtype)
-        local = self._reduce_to_owners(flat, hook)
+        flats = shards.layout.segment_flats(shards.dense(dense), self._slice.dtype)
+        weight = tf.cast(examples * replicas, self._slice.dtype)
+        local = self._reduce_to_owners([flat * weight for flat in flats], hook)
         self._cycle.accumulate(
             [local],
             [self._slice],
@@ -440,16 +471,17 @@ class ShardedOptimizer(InnerOptimizerWrapper):
 
         return apply
 
-    def _reduce_to_owners(self, flat, hook):
+    def _reduce_to_owners(self, flats, hook):
         """This replica's summed slice; a cast hook's dtype on the wire."""
         if hook is None or type(hook) is NoCompression:
-            local, _ = sharding.reduce_to_owners(self._shards.layout, flat)
+            local, _ = sharding.reduce_to_owners(self._shards.layout, flats)
             return local
+        dtype = flats[0].dtype
         local, overflowed = sharding.reduce_to_owners(
             self._shards.layout,
-            flat,
-            wire_dtype=hook.wire_dtype_for(flat.dtype),
-            range_checked=hook.range_checked(flat.dtype),
+            flats,
+            wire_dtype=hook.wire_dtype_for(dtype),
+            range_checked=hook.range_checked(dtype),
         )
         if overflowed is None:
             return local
@@ -592,7 +624,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         tf_variable = _tf_variable(variable)
         if id(tf_variable) not in self.shard_rules:
             return np.asarray(variable.numpy())
-        return self._gathered(tf_variable)
+        return self._shards.gathered(tf_variable)
 
     def _load(self, variable, value):
         """Assigns a saved value; a whole vector is resharded into slices."""
@@ -600,28 +632,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         if id(tf_variable) not in self.shard_rules:
             variable.assign(value)
             return
-        self._assign_slices(tf_variable, value)
-
-    def _gathered(self, tf_variable) -> np.ndarray:
-        """Every replica's slice of a per-replica variable, joined, unpadded."""
-        strategy = self._shards.strategy
-        slices = strategy.experimental_local_results(tf_variable)
-        if strategy.num_replicas_in_sync == len(slices):
-            whole = np.concatenate([np.asarray(s.numpy()) for s in slices])
-        else:
-            whole = np.asarray(collectives.gather_across(strategy, tf_variable))
-        return whole[: self._shards.layout.total]
-
-    def _assign_slices(self, tf_variable, value) -> None:
-        """A whole saved vector, resharded into this strategy's slices."""
-        layout = self._shards.layout
-        slices = layout.reshard(np.asarray(value), layout.replicas)
-        strategy = self._shards.strategy
-        first, _ = topology.worker_layout(strategy)
-        for offset, component in enumerate(
-            strategy.experimental_local_results(tf_variable)
-        ):
-            component.assign(slices[first + offset])
+        self._shards.assign_slices(tf_variable, value)
 
     def _save_sliced_whole(self, tf_variable) -> None:
         """`tf.train.Checkpoint` saves a slice variable whole, reshards it.
@@ -636,8 +647,8 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             return
         tf_internal.checkpoint_through(
             tf_variable,
-            lambda: tf.constant(self._gathered(tf_variable)),
-            lambda value: self._assign_slices(tf_variable, value),
+            lambda: tf.constant(self._shards.gathered(tf_variable)),
+            lambda value: self._shards.assign_slices(tf_variable, value),
         )
 
     # --- Serialization ----------------------------------------------------------
@@ -649,6 +660,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
                 self.inner_optimizer
             ),
             "accumulation_steps": self._accumulation_steps,
+            "bucket_bytes": self._bucket_bytes,
         }
 
     @classmethod

@@ -127,14 +127,15 @@ def _add(state, group, variables, shards=None, local=None) -> None:
         tf_variable = (
             variable.value if isinstance(variable, keras.Variable) else variable
         )
-        length = (shards or {}).get(id(tf_variable))
+        segments = (shards or {}).get(id(tf_variable))
         rule = (local or {}).get(id(tf_variable))
         state.add(
             group,
             tf_variable,
             _name_of(variable, tf_variable),
-            rule=rule if length is None else "shard",
-            length=length,
+            rule=rule if segments is None else "shard",
+            length=None if segments is None else sum(segments),
+            segments=segments,
             placement=None if rule is None else inventory_lib.PER_REPLICA,
         )
 

@@ -31,6 +31,12 @@ def make_data(n=64, features=8, classes=3, seed=0):
     return x, y
 
 
+SEGMENT_BYTES = 64
+"""`ShardedOptimizer(bucket_bytes=...)` for the tests' small models: the
+default (4 MiB) makes one segment of them; 64 bytes cuts `mlp`'s four
+variables into three segments (128, 16 and 51 elements), padded apart."""
+
+
 def mlp(cls=keras.Model, features=8, classes=3, seed=1, dtype=None):
     """A two-layer MLP in the functional form of `cls`, seeded."""
     keras.utils.set_random_seed(seed)

@@ -42,7 +42,13 @@ def sharded_cases(cases, epochs=2):
     one strategy for all; a list of results in the cases' order."""
     import keras
     import tensorflow as tf
-    from helpers import compile_model, make_data, mlp, sharded_dataset
+    from helpers import (
+        SEGMENT_BYTES,
+        compile_model,
+        make_data,
+        mlp,
+        sharded_dataset,
+    )
 
     import keras_dist
     import keras_dist.compression  # registers the hooks for deserialization
@@ -55,7 +61,9 @@ def sharded_cases(cases, epochs=2):
         dataset = sharded_dataset(x, y, micro_batch * strategy.num_replicas_in_sync)
         with strategy.scope():
             optimizer = keras_dist.ShardedOptimizer(
-                INNER[name](keras), accumulation_steps=accumulation_steps
+                INNER[name](keras),
+                accumulation_steps=accumulation_steps,
+                bucket_bytes=SEGMENT_BYTES,
             )
             model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
             if hook_config is not None:

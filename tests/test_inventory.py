@@ -504,3 +504,52 @@ def test_powersgd_factors_are_the_first_replicas_and_its_error_summed(mirrored):
         expected = "sum" if name.startswith("hook/error_") else "first"
         assert rule == expected, name
     assert "hook/step" in rules and any(n.startswith("hook/q_") for n in rules)
+
+
+# --- the "shard" rule: slices of one vector, laid out by segments -------------
+
+
+def shard_entry(segments):
+    return StateEntry(
+        "optimizer/slice",
+        "optimizer",
+        None,
+        PER_REPLICA,
+        "shard",
+        sum(segments),
+        tuple(segments),
+    )
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 7])
+def test_a_vector_is_laid_out_by_segments_and_joined_back(replicas):
+    whole = np.arange(1, 18, dtype="float32")
+    segments = [5, 1, 11]
+    stack = inventory.shard_stack(whole, segments, replicas)
+    pieces = inventory.shard_pieces(segments, replicas)
+    assert stack.shape == (replicas, sum(pieces))
+    np.testing.assert_array_equal(inventory.join_shards(stack, segments), whole)
+    # Replica r's slice is its piece of each segment, in order.
+    column = start = 0
+    for length, piece in zip(segments, pieces):
+        padded = np.pad(whole[start : start + length], (0, piece * replicas - length))
+        np.testing.assert_array_equal(
+            stack[:, column : column + piece], padded.reshape(replicas, piece)
+        )
+        column, start = column + piece, start + length
+    with pytest.raises(ValueError, match="not a layout of segments"):
+        inventory.join_shards(stack[:, :-1], segments)
+
+
+@pytest.mark.parametrize("before, after", [(2, 2), (2, 3), (4, 1)])
+def test_slices_saved_in_one_segment_are_relaid_in_segments(before, after):
+    # A backup of the single-segment layout (what every backup held before
+    # segments, on any replica count) restored into a segmented one.
+    whole = np.arange(1, 18, dtype="float32")
+    segments = (5, 1, 11)
+    saved_stack = inventory.shard_stack(whole, [17], before)
+    got = reshard(shard_entry(segments), saved_stack, after, saved_segments=[17])
+    np.testing.assert_array_equal(got, inventory.shard_stack(whole, segments, after))
+    # The same layout on the same count is restored as it is.
+    same = inventory.shard_stack(whole, segments, after)
+    assert reshard(shard_entry(segments), same, after) is same

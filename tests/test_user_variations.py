@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import Boom, max_abs_diff
+from helpers import SEGMENT_BYTES, Boom, max_abs_diff
 
 import keras_dist
 from keras_dist.backup.store import BackupError
@@ -65,10 +65,12 @@ def test_an_embedding_trains_as_stock_adam(piece, replicas, mirrored, stock_adam
             model.register_all_reduce_hook(hook)
         adam = keras.optimizers.Adam(0.01)
         optimizer = {
-            "sharded": lambda: keras_dist.ShardedOptimizer(adam),
+            "sharded": lambda: keras_dist.ShardedOptimizer(
+                adam, bucket_bytes=SEGMENT_BYTES
+            ),
             "accumulate_1": lambda: keras_dist.GradientAccumulationOptimizer(adam, 1),
             "accumulate_sharded_1": lambda: keras_dist.GradientAccumulationOptimizer(
-                keras_dist.ShardedOptimizer(adam), 1
+                keras_dist.ShardedOptimizer(adam, bucket_bytes=SEGMENT_BYTES), 1
             ),
         }.get(piece, lambda: adam)()
     # The casts send the embedding's rows at full precision; on 2 replicas

@@ -558,14 +558,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
         resume_lib.check_same_backup_everywhere(self._strategy, resume)
         steps = None if resize else self._accumulation_steps_on_resume(resume)
-        values = resume.values
-        if resize is not None:
-            values = elastic.reshard_values(
-                inventory,
-                resume.manifest,
-                values,
-                self._strategy.num_replicas_in_sync,
-            )
+        # On a resize every per-replica entry follows its rule; otherwise
+        # only sharded state saved in another layout is relaid.
+        values = elastic.reshard_values(
+            inventory,
+            resume.manifest,
+            resume.values,
+            self._strategy.num_replicas_in_sync,
+        )
         if resume.calls == 0:
             # Resumed at the start of an epoch: `fit` has just reset the
             # metrics; the backup's sums belong to the epoch before.

@@ -33,6 +33,7 @@ import math
 import keras
 
 from keras_dist._compat import keras_src as _compat
+from keras_dist.backup import manifest as manifest_lib
 from keras_dist.backup.store import BackupError
 from keras_dist.core import topology
 from keras_dist.core.inventory import PER_REPLICA, reshard
@@ -259,6 +260,7 @@ def reshard_values(inventory, manifest: dict, values: list, replicas: int) -> li
                 placement=PER_REPLICA,
                 rule=saved["rule"],
                 length=length if saved["rule"] == "shard" else None,
+                segments=saved.get("segments") if saved["rule"] == "shard" else None,
             )
             merged = reshard(as_saved, value, 1)[0]
             result.append(merged.reshape(entry.shape))
@@ -267,7 +269,8 @@ def reshard_values(inventory, manifest: dict, values: list, replicas: int) -> li
                 value = (
                     value.reshape(-1)[None] if entry.rule == "shard" else value[None]
                 )
-            result.append(reshard(entry, value, replicas))
+            segments = manifest_lib.saved_segments(saved, entry)
+            result.append(reshard(entry, value, replicas, segments))
     return result
 
 

@@ -14,16 +14,28 @@ logger = logging.getLogger(__name__)
 
 def describe(inventory, values: list[np.ndarray]) -> list[dict]:
     """The manifest's entry of every saved value."""
-    return [
-        {
+    entries = []
+    for entry, value in zip(inventory, values):
+        described = {
             "name": entry.name,
             "shape": list(value.shape),
             "dtype": str(value.dtype),
             "per_replica": entry.per_replica,
             "rule": entry.rule,
         }
-        for entry, value in zip(inventory, values)
-    ]
+        if entry.rule == "shard":
+            described["segments"] = list(entry.shard_segments)
+        entries.append(described)
+    return entries
+
+
+def saved_segments(saved: dict, entry) -> list | None:
+    """The segments a saved `"shard"` value was laid out by (`None` for
+    other rules). Backups written before the slices were laid out by
+    segments record none: theirs is one segment, the whole vector."""
+    if saved.get("rule") != "shard" or entry.rule != "shard":
+        return None
+    return saved.get("segments") or [entry.length]
 
 
 def expected_entries(inventory, replicas: int) -> list[dict]:
@@ -90,9 +102,12 @@ def check_compatible(
             new_shape = new_shape[1:] if new["per_replica"] else new_shape
         elif not resize and old["per_replica"] != new["per_replica"]:
             old_shape = None  # not this model's layout
-        # A shard's size follows the replica count; `reshard` checks length.
+        # A shard's size follows the replica count and its segments;
+        # `reshard` relays it and checks the length.
+        segments = saved_segments(old, entry)
+        relaid = segments is not None and segments != list(entry.shard_segments)
         shape_differs = old_shape != new_shape and not (
-            resize and "shard" in (entry.rule, old.get("rule"))
+            (resize or relaid) and "shard" in (entry.rule, old.get("rule"))
         )
         if (
             shape_differs

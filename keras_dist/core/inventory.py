@@ -28,8 +28,9 @@ on `R` (`reshard`):
   (PowerSGD's warm-start factors, step counters): replica 0's copy to all.
 - `"mean"` (`MEAN`): averaged, the mean to every replica.
 - `"shard"`: each replica holds its slice of one vector (a
-  `ShardedOptimizer`'s parameters and optimizer state): the slices are
-  joined, the padding dropped, and the vector split again for `R'`.
+  `ShardedOptimizer`'s parameters and optimizer state), laid out by
+  segments (`shard_stack`): the slices are joined into the vector
+  (`join_shards`) and split again for `R'`, or for another segmentation.
 - `"exact"` (`NONE`): no rule; restorable only on the same replica count.
 
 Mirrored state is restored as it is on any replica count.
@@ -73,6 +74,10 @@ class StateEntry:
             number of replicas.
         length: Int or `None`. For the `"shard"` rule: the length of the
             vector the slices are pieces of (without padding).
+        segments: Tuple of ints or `None`. For the `"shard"` rule: the
+            lengths of the consecutive segments of that vector, each split
+            over the replicas on its own (`shard_stack`); `None`: one
+            segment, the whole vector.
     """
 
     name: str
@@ -81,6 +86,14 @@ class StateEntry:
     placement: str
     rule: str
     length: int | None = None
+    segments: tuple | None = None
+
+    @property
+    def shard_segments(self) -> tuple | None:
+        """The segment lengths of a `"shard"` entry (`None` for the others)."""
+        if self.length is None:
+            return None
+        return tuple(self.segments) if self.segments else (self.length,)
 
     @property
     def per_replica(self) -> bool:
@@ -142,6 +155,7 @@ class StateInventory:
         rule: str | None = None,
         length: int | None = None,
         placement: str | None = None,
+        segments: tuple | None = None,
     ) -> None:
         """Adds one TensorFlow variable under `"<group>/<name>"`.
 
@@ -157,6 +171,9 @@ class StateInventory:
                 synchronizations (local SGD's weights and slots); `None`
                 for the placement its synchronization gives
                 (`placement_of`).
+            segments: Tuple of ints or `None`. For `"shard"`: the lengths
+                of the vector's segments (they add up to `length`); `None`
+                for one segment.
 
         Raises:
             ValueError: `rule` is not one of `RULES`, or `"same"` for a
@@ -183,8 +200,23 @@ class StateInventory:
                 "`length` goes with the 'shard' rule, and only with it. "
                 f"Received: rule={rule!r}, length={length!r} for {group}/{name}."
             )
+        if segments is not None and (
+            length is None or sum(int(n) for n in segments) != length
+        ):
+            raise ValueError(
+                "`segments` must add up to `length`. Received: "
+                f"segments={segments!r}, length={length!r} for {group}/{name}."
+            )
         self._entries.append(
-            StateEntry(f"{group}/{name}", group, variable, placement, rule, length)
+            StateEntry(
+                f"{group}/{name}",
+                group,
+                variable,
+                placement,
+                rule,
+                length,
+                None if segments is None else tuple(int(n) for n in segments),
+            )
         )
 
     def add_provider(self, name: str, provider) -> None:
@@ -217,7 +249,68 @@ class StateInventory:
         return {name: p.backup_state() for name, p in self.providers.items()}
 
 
-def reshard(entry: StateEntry, value: np.ndarray, replicas: int) -> np.ndarray:
+def shard_pieces(segments, replicas: int) -> list:
+    """Each segment's piece per replica: `ceil(length / replicas)`, >= 1."""
+    return [max(1, -(-int(n) // replicas)) for n in segments]
+
+
+def shard_stack(whole, segments, replicas: int) -> np.ndarray:
+    """A vector laid out as `replicas` slices, segment by segment.
+
+    Each segment (consecutive elements of `whole`, in order) is padded to a
+    multiple of `replicas` and split into equal pieces; replica `r`'s slice
+    is its piece of every segment, in segment order. One segment is a plain
+    split of the padded vector.
+
+    Args:
+        whole: 1-D array of `sum(segments)` elements.
+        segments: Sequence of ints: the segments' lengths.
+        replicas: Int. The replicas to lay it out on.
+
+    Returns:
+        Array `[replicas, sum(shard_pieces(segments, replicas))]`.
+    """
+    whole = np.asarray(whole).reshape(-1)
+    pieces = shard_pieces(segments, replicas)
+    stack = np.zeros((replicas, sum(pieces)), whole.dtype)
+    start = column = 0
+    for length, piece in zip(segments, pieces):
+        padded = np.zeros(piece * replicas, whole.dtype)
+        padded[:length] = whole[start : start + length]
+        stack[:, column : column + piece] = padded.reshape(replicas, piece)
+        start += length
+        column += piece
+    return stack
+
+
+def join_shards(stack, segments) -> np.ndarray:
+    """The inverse of `shard_stack`: the vector, without padding.
+
+    Raises:
+        ValueError: the stack's slices are not of the segments' layout.
+    """
+    stack = np.asarray(stack)
+    replicas = stack.shape[0]
+    stack = stack.reshape(replicas, -1)
+    pieces = shard_pieces(segments, replicas)
+    if stack.shape[1] != sum(pieces):
+        raise ValueError(
+            f"Slices of {stack.shape[1]} elements on {replicas} replica(s) are "
+            f"not a layout of segments {list(segments)} (slices of "
+            f"{sum(pieces)} elements). The state was saved by another model "
+            "or optimizer."
+        )
+    parts = []
+    column = 0
+    for length, piece in zip(segments, pieces):
+        parts.append(stack[:, column : column + piece].reshape(-1)[:length])
+        column += piece
+    return np.concatenate(parts) if parts else stack.reshape(-1)[:0]
+
+
+def reshard(
+    entry: StateEntry, value: np.ndarray, replicas: int, saved_segments=None
+) -> np.ndarray:
     """Maps a saved value of `entry` onto `replicas` replicas, by its rule.
 
     Args:
@@ -225,6 +318,10 @@ def reshard(entry: StateEntry, value: np.ndarray, replicas: int) -> np.ndarray:
         value: The saved value: the mirrored value, or a per-replica stack
             `[saved_replicas, ...]`.
         replicas: Int. The replicas to restore onto.
+        saved_segments: Sequence of ints or `None`. For a `"shard"` entry:
+            the segments the value was laid out by when saved (`None`: this
+            entry's). Slices of another layout are relaid on any replica
+            count.
 
     Returns:
         The value to restore: the mirrored value, or a `[replicas, ...]`
@@ -233,6 +330,12 @@ def reshard(entry: StateEntry, value: np.ndarray, replicas: int) -> np.ndarray:
     Raises:
         ValueError: the entry's rule is `"exact"` and the counts differ.
     """
+    if entry.per_replica and entry.rule == "shard":
+        segments = entry.shard_segments
+        saved = segments if saved_segments is None else tuple(saved_segments)
+        if value.shape[0] == replicas and saved == segments:
+            return value
+        return shard_stack(join_shards(value, saved), segments, replicas)
     if not entry.per_replica or value.shape[0] == replicas:
         return value
     if entry.rule == "sum":
@@ -247,11 +350,6 @@ def reshard(entry: StateEntry, value: np.ndarray, replicas: int) -> np.ndarray:
         return np.stack([share.astype(value.dtype)] * replicas)
     if entry.rule == "first":
         return np.stack([value[0]] * replicas)
-    if entry.rule == "shard":
-        flat = value.reshape(-1)[: entry.length]
-        size = max(1, -(-entry.length // replicas))
-        flat = np.pad(flat, (0, size * replicas - entry.length))
-        return flat.reshape(replicas, size)
     if entry.rule == "mean":
         return np.stack([value.mean(axis=0).astype(value.dtype)] * replicas)
     raise ValueError(

@@ -1,21 +1,25 @@
 """Optimizer-state sharding (ZeRO stages 1 and 2): the layout and the collectives.
 
 Every replica holds the whole model but owns one equal slice of its
-parameters, flattened into one vector and padded to a multiple of the
-replica count `N`: replica `i` owns elements `[i*S, (i+1)*S)`, `S =
-ceil(P / N)`. An update (Rajbhandari et al., "ZeRO: Memory Optimizations
-Toward Training Trillion Parameter Models", SC 2020; PyTorch's
-`ZeroRedundancyOptimizer`):
+parameters: the parameters, flattened in order, are cut into segments of
+about 4 MiB (whole variables), and each segment is split into `N` equal
+pieces, one per replica (`ShardLayout`). An update (Rajbhandari et al.,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC
+2020; DeepSpeed's stage 2 reduce-scatters per bucket the same way):
 
-1. the gradients, flattened the same way, are reduce-scattered: each
-   replica gets the sum over replicas of its slice only;
-2. each replica runs the optimizer on its slice, with optimizer state
-   (slots, the float32 master copy) for its slice only: 1/N of it;
-3. the updated slices are all-gathered into every replica's weights.
+1. each segment's gradients are reduce-scattered as soon as the backward
+   pass has computed them: each replica gets the sum over replicas of its
+   piece only;
+2. each replica runs the optimizer on its slice (its pieces), with
+   optimizer state (slots, the float32 master copy) for its slice only:
+   1/N of it;
+3. the updated pieces are all-gathered, segment by segment, into every
+   replica's weights.
 
-A reduce-scatter plus an all-gather move the bytes of one ring all-reduce.
-Stage 2 also reduce-scatters each micro-step's gradients into slice-sized
-accumulators. This module is pure TensorFlow; the Keras 3 front end is
+A reduce-scatter plus an all-gather move the bytes of one ring all-reduce,
+and no step makes a vector of the whole model. Stage 2 also
+reduce-scatters each micro-step's gradients into slice-sized accumulators.
+This module is pure TensorFlow; the Keras 3 front end is
 `keras_dist.ShardedOptimizer`.
 """
 
@@ -27,7 +31,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from keras_dist.core import collectives
+from keras_dist.core import collectives, inventory
 
 
 @contextlib.contextmanager
@@ -59,109 +63,226 @@ def replica_local_variables(on_create=None):
 
 
 class ShardLayout:
-    """How variables map onto equal slices of one flat vector.
+    """How variables map onto equal slices, segment by segment.
+
+    The variables, flattened in order, make one vector of `total` elements.
+    It is cut into segments of whole variables, about `bucket_bytes` each,
+    planned as the all-reduce buckets are (`collectives.plan_buckets`: from
+    the last variable back, since the backward pass computes the last
+    layers' gradients first). Each segment is padded to a multiple of the
+    replica count `N` and split into `N` equal pieces; replica `i`'s slice
+    is its piece of every segment, in the variables' order
+    (`inventory.shard_stack`). So each segment's gradients are
+    reduce-scattered as soon as the backward pass has computed them, while
+    it computes the rest, and no step flattens the whole model. With
+    `bucket_bytes=None` the whole vector is one segment: replica `i` owns
+    elements `[i*S, (i+1)*S)` of it.
 
     Args:
         shapes: List of the variables' shapes (tuples of ints), in order.
         replicas: Int. The number of replicas `N` sharing the state.
+        bucket_bytes: Int or `None`. The size of a segment, in bytes of
+            `itemsize`-byte elements; `None` for one segment.
+        itemsize: Int. Bytes per element, for `bucket_bytes`. Defaults to 4.
     """
 
-    def __init__(self, shapes, replicas: int):
+    def __init__(self, shapes, replicas: int, bucket_bytes=None, itemsize=4):
         self.shapes = [tuple(int(d) for d in shape) for shape in shapes]
         self.sizes = [math.prod(shape) for shape in self.shapes]
-        self.offsets = list(np.cumsum([0, *self.sizes[:-1]]).astype(int))
+        self.offsets = [int(o) for o in np.cumsum([0, *self.sizes[:-1]])]
         self.total = int(sum(self.sizes))
         self.replicas = int(replicas)
-        self.slice_size = max(1, -(-self.total // self.replicas))
+        dtype = {1: tf.int8, 2: tf.float16, 4: tf.float32, 8: tf.float64}[itemsize]
+        buckets = collectives.plan_buckets(
+            [tf.TensorSpec(shape, dtype) for shape in self.shapes] or [],
+            bucket_bytes,
+        )
+        # Buckets come in the order the backward pass readies them (the last
+        # variables first); each holds consecutive variables.
+        ranges = [sorted(bucket) for bucket in buckets] or [[]]
+        ranges.sort(key=lambda positions: positions[0] if positions else 0)
+        self.segment_variables = ranges
+        self.segments = [sum(self.sizes[i] for i in r) for r in ranges]
+        self.issue_order = sorted(
+            range(len(ranges)), key=lambda s: ranges[s][0] if ranges[s] else 0
+        )[::-1]
+        self.segment_starts = [int(o) for o in np.cumsum([0, *self.segments[:-1]])]
+        self.pieces = inventory.shard_pieces(self.segments, self.replicas)
+        self.piece_offsets = [int(o) for o in np.cumsum([0, *self.pieces[:-1]])]
+        self.slice_size = int(sum(self.pieces))
         self.padded = self.slice_size * self.replicas
 
     def flatten(self, tensors, dtype=None):
-        """The tensors as one vector of `padded` elements (zeros at the end)."""
-        flat = tf.concat(
-            [tf.reshape(tf.cast(t, dtype) if dtype else t, [-1]) for t in tensors],
-            axis=0,
-        )
-        return tf.pad(flat, [[0, self.padded - self.total]])
+        """The tensors as one vector of `total` elements, in order."""
+        flat = [tf.reshape(tf.cast(t, dtype) if dtype else t, [-1]) for t in tensors]
+        return tf.concat(flat, axis=0) if len(flat) != 1 else flat[0]
 
-    def unflatten(self, flat) -> list:
-        """The inverse of `flatten`: one tensor per variable, in its shape."""
-        parts = tf.split(flat[: self.total], self.sizes)
-        return [tf.reshape(part, shape) for part, shape in zip(parts, self.shapes)]
+    def segment_flats(self, tensors, dtype=None) -> list:
+        """Each segment's tensors as one vector padded to `N` pieces.
 
-    def local(self, flat, replica_id):
-        """Replica `replica_id`'s slice of a flat vector (or array).
+        Args:
+            tensors: List of tensors, one per variable, in order.
+            dtype: `tf.DType` or `None`. Cast to it first.
+
+        Returns:
+            A list, in segment order, of vectors of `pieces[s] * N` elements.
+        """
+        flats = []
+        for positions, length, piece in zip(
+            self.segment_variables, self.segments, self.pieces
+        ):
+            flat = (
+                self.flatten([tensors[i] for i in positions], dtype)
+                if positions
+                else (tf.zeros([0], dtype or tensors[0].dtype))
+            )
+            pad = piece * self.replicas - length
+            flats.append(tf.pad(flat, [[0, pad]]) if pad else flat)
+        return flats
+
+    def join_pieces(self, pieces):
+        """This replica's slice from its piece of each segment (in order)."""
+        return tf.concat(list(pieces), axis=0) if len(pieces) > 1 else pieces[0]
+
+    def split_slice(self, local_slice) -> list:
+        """A slice's pieces, one per segment (the inverse of `join_pieces`)."""
+        if len(self.pieces) == 1:
+            return [local_slice]
+        return tf.split(local_slice, self.pieces)
+
+    def unflatten_segment(self, segment: int, flat) -> list:
+        """A segment's gathered vector as its variables' tensors."""
+        positions = self.segment_variables[segment]
+        sizes = [self.sizes[i] for i in positions]
+        flat = flat[: self.segments[segment]]
+        parts = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
+        return [tf.reshape(part, self.shapes[i]) for i, part in zip(positions, parts)]
+
+    def local(self, whole, replica_id, fill=0):
+        """Replica `replica_id`'s slice of a vector in the variables' order.
 
         A NumPy array and a replica id known when tracing (every strategy's
         replica context gives a constant) make a slice-sized constant: the
         whole array never enters the graph.
+
+        Args:
+            whole: Vector (tensor or NumPy array) of `total` elements.
+            replica_id: Int or scalar tensor.
+            fill: The value of the padding. Defaults to `0`.
         """
         static = tf.get_static_value(replica_id)
-        if isinstance(flat, np.ndarray) and static is not None:
-            start = int(static) * self.slice_size
-            return tf.constant(flat[start : start + self.slice_size])
-        return tf.slice(flat, [replica_id * self.slice_size], [self.slice_size])
+        if isinstance(whole, np.ndarray) and static is not None:
+            return tf.constant(self._local_array(whole, int(static), fill))
+        whole = tf.convert_to_tensor(whole)
+        pieces = []
+        for start, length, piece in zip(
+            self.segment_starts, self.segments, self.pieces
+        ):
+            part = tf.pad(
+                whole[start : start + length],
+                [[0, piece * self.replicas - length]],
+                constant_values=tf.cast(fill, whole.dtype),
+            )
+            pieces.append(tf.reshape(part, [self.replicas, piece])[replica_id])
+        return self.join_pieces(pieces)
+
+    def _local_array(self, whole, replica: int, fill) -> np.ndarray:
+        out = np.full(self.slice_size, fill, whole.dtype)
+        for start, length, piece, column in zip(
+            self.segment_starts, self.segments, self.pieces, self.piece_offsets
+        ):
+            low = replica * piece
+            high = min(length, low + piece)
+            if low < high:
+                out[column : column + high - low] = whole[start + low : start + high]
+        return out
 
     def local_of(self, tensors, replica_id, dtype=None):
         """`local(flatten(tensors, dtype), replica_id)`, read slice-sized.
 
         With a replica id known when tracing, only the parts of the
         variables the slice covers are read and concatenated (`S` elements
-        where `flatten` makes `N*S`): what a replica's update needs of the
+        where `flatten` makes `P`): what a replica's update needs of the
         model's weights every step.
         """
         static = tf.get_static_value(replica_id)
         if static is None:
             return self.local(self.flatten(tensors, dtype), replica_id)
-        start = int(static) * self.slice_size
-        end = start + self.slice_size
         parts = []
-        for tensor, offset, size in zip(tensors, self.offsets, self.sizes):
-            low, high = max(start, offset), min(end, offset + size)
-            if low >= high:
-                continue
-            flat = tf.reshape(tensor, [-1])[low - offset : high - offset]
-            parts.append(tf.cast(flat, dtype) if dtype else flat)
-        covered = sum(int(part.shape[0]) for part in parts)
-        if covered < self.slice_size:
-            parts.append(
-                tf.zeros([self.slice_size - covered], dtype or tensors[0].dtype)
-            )
+        for start, length, piece in zip(
+            self.segment_starts, self.segments, self.pieces
+        ):
+            low = start + int(static) * piece
+            high = min(start + length, low + piece)
+            covered = 0
+            for tensor, offset, size in zip(tensors, self.offsets, self.sizes):
+                first, last = max(low, offset), min(high, offset + size)
+                if first >= last:
+                    continue
+                flat = tf.reshape(tensor, [-1])[first - offset : last - offset]
+                parts.append(tf.cast(flat, dtype) if dtype else flat)
+                covered += last - first
+            if covered < piece:
+                parts.append(tf.zeros([piece - covered], dtype or tensors[0].dtype))
         return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
 
-    def segment_ids(self) -> np.ndarray:
-        """The variable index of every flat element (`len(shapes)`: padding).
+    def positions(self, flat_indices, replica_id):
+        """Where elements of the variables' vector sit in a replica's slice.
 
-        Int32, 4 bytes per element: built only where needed (`clipnorm`).
+        Args:
+            flat_indices: Int64 tensor of indices into the vector of `total`
+                elements (the variables flattened in order).
+            replica_id: Int or scalar tensor.
+
+        Returns:
+            `(mine, positions)`: a boolean tensor, whether replica
+            `replica_id` owns each element, and the positions in its slice
+            of those it owns.
         """
-        return np.repeat(
-            np.arange(len(self.sizes) + 1, dtype=np.int32),
-            [*self.sizes, self.padded - self.total],
-        )
+        flat_indices = tf.cast(flat_indices, tf.int64)
+        starts = tf.constant(self.segment_starts, tf.int64)
+        segment = tf.searchsorted(starts, flat_indices, side="right") - 1
+        piece = tf.gather(tf.constant(self.pieces, tf.int64), segment)
+        within = flat_indices - tf.gather(starts, segment)
+        mine = tf.equal(within // piece, tf.cast(replica_id, tf.int64))
+        column = tf.gather(tf.constant(self.piece_offsets, tf.int64), segment)
+        return mine, tf.boolean_mask(column + within % piece, mine)
+
+    def segment_ids(self) -> np.ndarray:
+        """The variable index of every element (int32, 4 bytes per element:
+        built only where needed, `clipnorm`); pad slices with `len(shapes)`."""
+        return np.repeat(np.arange(len(self.sizes), dtype=np.int32), self.sizes)
 
     def element_mask(self, flags) -> np.ndarray:
         """Float32 1.0 where the element's variable has its flag set, else 0.0."""
-        per_variable = np.asarray([*map(bool, flags), False], dtype=np.float32)
-        return np.repeat(per_variable, [*self.sizes, self.padded - self.total])
+        per_variable = np.asarray(list(map(bool, flags)), dtype=np.float32)
+        return np.repeat(per_variable, self.sizes)
 
-    def reshard(self, slices: np.ndarray, replicas: int) -> np.ndarray:
-        """Slices `[N, S]` saved on `N` replicas as slices for `replicas`."""
-        flat = np.asarray(slices).reshape(-1)[: self.total]
-        other = ShardLayout(self.shapes, replicas)
-        flat = np.pad(flat, (0, other.padded - other.total))
-        return flat.reshape(replicas, other.slice_size)
+    def to_slices(self, whole, replicas=None) -> np.ndarray:
+        """A vector in the variables' order as slices `[replicas, S]`."""
+        replicas = self.replicas if replicas is None else replicas
+        return inventory.shard_stack(whole, self.segments, replicas)
+
+    def to_whole(self, slices) -> np.ndarray:
+        """Slices `[N, S]` (any `N`) joined into the vector, unpadded."""
+        return inventory.join_shards(slices, self.segments)
 
 
-def reduce_to_owners(layout: ShardLayout, flat, wire_dtype=None, range_checked=False):
-    """Reduce-scatter of a flattened gradient: this replica's summed slice.
+def reduce_to_owners(layout: ShardLayout, flats, wire_dtype=None, range_checked=False):
+    """Reduce-scatter of a gradient, segment by segment: this replica's slice.
+
+    The segments' reduce-scatters are issued in `layout.issue_order` (the
+    order the backward pass computes them), each as soon as its gradients
+    are there: they run while the rest of the backward pass does.
 
     Args:
         layout: The `ShardLayout`.
-        flat: This replica's flattened gradient (`layout.padded` elements).
+        flats: This replica's gradient as `layout.segment_flats` makes it.
         wire_dtype: `tf.DType` or `None`. The dtype the rows travel in (a
-            16-bit cast halves the bytes); they are summed in `flat`'s
-            dtype on arrival, so only the cast rounds. `None`: `flat`'s.
-        range_checked: Bool. Whether the wire dtype can overflow where
-            `flat`'s cannot (float16 for float32). Then, when any replica's
+            16-bit cast halves the bytes); they are summed in the flats'
+            dtype on arrival, so only the cast rounds. `None`: theirs.
+        range_checked: Bool. Whether the wire dtype can overflow where the
+            flats' cannot (float16 for float32). Then, when any replica's
             cast of a finite entry is not finite, every replica sends again
             at full precision in the same step.
 
@@ -170,27 +291,52 @@ def reduce_to_owners(layout: ShardLayout, flat, wire_dtype=None, range_checked=F
         scalar tensor (the same on every replica) saying whether the step
         was sent again, or `None` without a range check.
     """
-    if wire_dtype is None or tf.as_dtype(wire_dtype) == flat.dtype:
-        return collectives.reduce_scatter(flat), None
-    sent = tf.cast(flat, wire_dtype)
-    local = collectives.reduce_scatter(sent, sum_dtype=flat.dtype)
+    flats = list(flats)
+    dtype = flats[0].dtype
+    if wire_dtype is None or tf.as_dtype(wire_dtype) == dtype:
+        return _scatter(layout, flats), None
+    sent = [tf.cast(flat, wire_dtype) for flat in flats]
+    local = _scatter(layout, sent, sum_dtype=dtype)
     if not range_checked or collectives.replica_context().num_replicas_in_sync == 1:
         return local, None
-    lost = tf.math.is_finite(flat) & ~tf.math.is_finite(sent)
-    overflowed = collectives.all_reduce(tf.reduce_sum(tf.cast(lost, tf.int32))) > 0
+    lost = tf.add_n(
+        [
+            tf.reduce_sum(
+                tf.cast(tf.math.is_finite(flat) & ~tf.math.is_finite(cast), tf.int32)
+            )
+            for flat, cast in zip(flats, sent)
+        ]
+    )
+    overflowed = collectives.all_reduce(lost) > 0
     local = collectives.branch_across(
         overflowed,
-        lambda flat, _: collectives.reduce_scatter(flat),
-        lambda _, local: tf.identity(local),
-        (flat, local),
+        lambda *args: _scatter(layout, list(args[:-1])),
+        lambda *args: tf.identity(args[-1]),
+        (*flats, local),
     )
     return local, overflowed
 
 
+def _scatter(layout, flats, sum_dtype=None):
+    pieces = [None] * len(flats)
+    for segment in layout.issue_order:
+        pieces[segment] = collectives.reduce_scatter(flats[segment], sum_dtype)
+    return layout.join_pieces(pieces)
+
+
 def gather_slices(layout: ShardLayout, local_slice) -> list:
-    """All-gathers every replica's slice; returns the tensors, unflattened."""
-    flat = tf.reshape(collectives.all_gather(local_slice[None], axis=0), [-1])
-    return layout.unflatten(flat)
+    """All-gathers every replica's slice, segment by segment; returns the
+    variables' tensors, in order."""
+    values = [None] * len(layout.sizes)
+    pieces = layout.split_slice(local_slice)
+    for segment, piece in enumerate(pieces):
+        flat = tf.reshape(collectives.all_gather(piece[None], axis=0), [-1])
+        for position, value in zip(
+            layout.segment_variables[segment],
+            layout.unflatten_segment(segment, flat),
+        ):
+            values[position] = value
+    return values
 
 
 def global_norm(local_slice):

@@ -26,6 +26,7 @@ import warnings
 import keras
 import numpy as np
 import tensorflow as tf
+from helpers import SEGMENT_BYTES
 
 import keras_dist
 from diffmatrix import axes
@@ -103,8 +104,11 @@ def candidate_optimizer(case: Case):
             inner, accumulation_steps=accumulation_steps(case.piece)
         )
     if case.piece.startswith("sharded"):
+        # Small segments: the matrix's models would make one at 4 MiB.
         return keras_dist.ShardedOptimizer(
-            inner, accumulation_steps=accumulation_steps(case.piece)
+            inner,
+            accumulation_steps=accumulation_steps(case.piece),
+            bucket_bytes=SEGMENT_BYTES,
         )
     if case.piece == "local_sgd_1":
         return keras_dist.LocalSGDOptimizer(inner, sync_every=1)
