@@ -164,18 +164,20 @@ def test_the_sharded_optimizer_through_gloo_equals_tensorflow_collectives():
     ]
     assert with_gloo[1][-1]["gloo"] == with_gloo[0][-1]["gloo"]
     steps = 2 * 64 // 16
-    # Stage 1: per step one reduce-scatter, one all-gather of the updated
-    # slices and one all-reduce of the step's metric sums.
+    segments = 3  # mlp's variables at SEGMENT_BYTES
+    # Stage 1: per step and segment one reduce-scatter and one all-gather of
+    # the updated pieces; one all-reduce of the step's metric sums.
     for index in range(3):
         assert counts[index] == {
-            "all_to_all": steps,
-            "all_gather": steps,
+            "all_to_all": segments * steps,
+            "all_gather": segments * steps,
             "all_reduce": steps,
         }, cases[index]
-    # Stage 2: a reduce-scatter per micro-step through gloo; the update (and
-    # its all-gather) runs every 4th, inside a `tf.cond`: TensorFlow's.
+    # Stage 2: a reduce-scatter per segment and micro-step through gloo; the
+    # update (and its all-gathers) runs every 4th, inside a `tf.cond`:
+    # TensorFlow's.
     micro_steps = 2 * 64 // 4
-    assert counts[3]["all_to_all"] == micro_steps
+    assert counts[3]["all_to_all"] == segments * micro_steps
     assert counts[3].get("all_gather", 0) == 0
 
 
