@@ -192,32 +192,43 @@ def test_a_keras_file_saved_on_two_replicas_resumes_on_four(tmp_path, mirrored):
     assert max_abs_diff(plain.get_weights(), model.get_weights()) == 0
 
 
+def fit_backed_up(strategy, make_optimizer, folder, batch_size, crash_at=None):
+    """Fits `mlp` for 2 epochs, a backup every 5 batches; `None` when `Boom`
+    stopped it after batch `crash_at`."""
+    x, y = make_data(n=EXAMPLES)
+    with strategy.scope():
+        model = compile_model(mlp(keras_dist.DistributedModel), make_optimizer())
+    callbacks = [BackupAndRestore(str(folder), save_freq=5)]
+    if crash_at:
+        callbacks.append(Boom(crash_at))
+    try:
+        model.fit(
+            x,
+            y,
+            batch_size=batch_size,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+    except KeyboardInterrupt:
+        return None
+    return model
+
+
 def test_backup_and_restore_resumes_sharded_accumulation_exactly(tmp_path, mirrored):
     strategy = mirrored(2)
-    x, y = make_data(n=EXAMPLES)
 
     def run(folder, crash_at=None):
-        with strategy.scope():
-            model = compile_model(
-                mlp(keras_dist.DistributedModel),
-                keras_dist.ShardedOptimizer(INNER["adam"](keras), accumulation_steps=2),
-            )
-        callbacks = [BackupAndRestore(str(tmp_path / folder), save_freq=5)]
-        if crash_at:
-            callbacks.append(Boom(crash_at))
-        try:
-            model.fit(
-                x,
-                y,
-                batch_size=8,
-                epochs=2,
-                shuffle=False,
-                verbose=0,
-                callbacks=callbacks,
-            )
-        except KeyboardInterrupt:
-            return None
-        return model
+        return fit_backed_up(
+            strategy,
+            lambda: keras_dist.ShardedOptimizer(
+                INNER["adam"](keras), accumulation_steps=2
+            ),
+            tmp_path / folder,
+            batch_size=8,
+            crash_at=crash_at,
+        )
 
     reference = run("r")
     assert run("b", crash_at=17) is None  # mid-epoch, mid-accumulation
@@ -246,32 +257,17 @@ def test_a_backup_of_the_flat_layout_resumes_in_segments(tmp_path, mirrored):
     # one written with `bucket_bytes=None`, its manifest stripped of them,
     # resumes in the segmented layout as if it had not stopped.
     strategy = mirrored(2)
-    x, y = make_data(n=EXAMPLES)
 
     def run(folder, bucket_bytes, crash_at=None):
-        with strategy.scope():
-            model = compile_model(
-                mlp(keras_dist.DistributedModel),
-                keras_dist.ShardedOptimizer(
-                    INNER["adam"](keras), bucket_bytes=bucket_bytes
-                ),
-            )
-        callbacks = [BackupAndRestore(str(tmp_path / folder), save_freq=5)]
-        if crash_at:
-            callbacks.append(Boom(crash_at))
-        try:
-            model.fit(
-                x,
-                y,
-                batch_size=16,
-                epochs=2,
-                shuffle=False,
-                verbose=0,
-                callbacks=callbacks,
-            )
-        except KeyboardInterrupt:
-            return None
-        return model
+        return fit_backed_up(
+            strategy,
+            lambda: keras_dist.ShardedOptimizer(
+                INNER["adam"](keras), bucket_bytes=bucket_bytes
+            ),
+            tmp_path / folder,
+            batch_size=16,
+            crash_at=crash_at,
+        )
 
     reference = run("r", SEGMENT_BYTES)
     assert run("b", None, crash_at=17) is None
