@@ -190,7 +190,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             [v.shape for v in var_list],
             replicas,
             bucket_bytes=self._bucket_bytes,
-            itemsize=dtype.size,
+            dtype=dtype,
         )
         _compat.set_untracked_attribute(
             self,

@@ -81,36 +81,32 @@ class ShardLayout:
     Args:
         shapes: List of the variables' shapes (tuples of ints), in order.
         replicas: Int. The number of replicas `N` sharing the state.
-        bucket_bytes: Int or `None`. The size of a segment, in bytes of
-            `itemsize`-byte elements; `None` for one segment.
-        itemsize: Int. Bytes per element, for `bucket_bytes`. Defaults to 4.
+        bucket_bytes: Int or `None`. The size of a segment in bytes; `None`
+            for one segment.
+        dtype: `tf.DType`. The variables' dtype, for `bucket_bytes`.
+            Defaults to float32.
     """
 
-    def __init__(self, shapes, replicas: int, bucket_bytes=None, itemsize=4):
+    def __init__(self, shapes, replicas: int, bucket_bytes=None, dtype=tf.float32):
         self.shapes = [tuple(int(d) for d in shape) for shape in shapes]
         self.sizes = [math.prod(shape) for shape in self.shapes]
         self.offsets = [int(o) for o in np.cumsum([0, *self.sizes[:-1]])]
         self.total = int(sum(self.sizes))
         self.replicas = int(replicas)
-        dtype = {1: tf.int8, 2: tf.float16, 4: tf.float32, 8: tf.float64}[itemsize]
         buckets = collectives.plan_buckets(
-            [tf.TensorSpec(shape, dtype) for shape in self.shapes] or [],
-            bucket_bytes,
+            [tf.TensorSpec(shape, dtype) for shape in self.shapes], bucket_bytes
         )
         # Buckets come in the order the backward pass readies them (the last
-        # variables first); each holds consecutive variables.
-        ranges = [sorted(bucket) for bucket in buckets] or [[]]
-        ranges.sort(key=lambda positions: positions[0] if positions else 0)
+        # variables first), each of consecutive variables: reversed, they are
+        # the segments in the variables' order.
+        ranges = [sorted(bucket) for bucket in reversed(buckets)] or [[]]
         self.segment_variables = ranges
         self.segments = [sum(self.sizes[i] for i in r) for r in ranges]
-        self.issue_order = sorted(
-            range(len(ranges)), key=lambda s: ranges[s][0] if ranges[s] else 0
-        )[::-1]
+        self.issue_order = list(reversed(range(len(ranges))))
         self.segment_starts = [int(o) for o in np.cumsum([0, *self.segments[:-1]])]
         self.pieces = inventory.shard_pieces(self.segments, self.replicas)
         self.piece_offsets = [int(o) for o in np.cumsum([0, *self.pieces[:-1]])]
         self.slice_size = int(sum(self.pieces))
-        self.padded = self.slice_size * self.replicas
 
     def flatten(self, tensors, dtype=None):
         """The tensors as one vector of `total` elements, in order."""
@@ -131,11 +127,7 @@ class ShardLayout:
         for positions, length, piece in zip(
             self.segment_variables, self.segments, self.pieces
         ):
-            flat = (
-                self.flatten([tensors[i] for i in positions], dtype)
-                if positions
-                else (tf.zeros([0], dtype or tensors[0].dtype))
-            )
+            flat = self.flatten([tensors[i] for i in positions], dtype)
             pad = piece * self.replicas - length
             flats.append(tf.pad(flat, [[0, pad]]) if pad else flat)
         return flats
@@ -258,10 +250,9 @@ class ShardLayout:
         per_variable = np.asarray(list(map(bool, flags)), dtype=np.float32)
         return np.repeat(per_variable, self.sizes)
 
-    def to_slices(self, whole, replicas=None) -> np.ndarray:
-        """A vector in the variables' order as slices `[replicas, S]`."""
-        replicas = self.replicas if replicas is None else replicas
-        return inventory.shard_stack(whole, self.segments, replicas)
+    def to_slices(self, whole) -> np.ndarray:
+        """A vector in the variables' order as slices `[N, S]`."""
+        return inventory.shard_stack(whole, self.segments, self.replicas)
 
     def to_whole(self, slices) -> np.ndarray:
         """Slices `[N, S]` (any `N`) joined into the vector, unpadded."""
