@@ -23,8 +23,20 @@ ELEMENTWISE = (
 )
 
 
-def check_inner(inner):
-    """Raises unless `inner` can be sharded: an elementwise optimizer."""
+SHARD_BY = ("auto", "elements", "variables")
+
+
+def check_inner(inner, shard_by="elements") -> str:
+    """Raises unless `inner` can be sharded as `shard_by` says; returns how
+    (`"elements"` or `"variables"`): `"auto"` shards an elementwise
+    optimizer by elements, any other by whole variables."""
+    if shard_by not in SHARD_BY:
+        raise ValueError(
+            f"`shard_by` must be one of {list(SHARD_BY)}. Received: "
+            f"shard_by={shard_by!r}. 'elements' splits every variable over the "
+            "replicas (elementwise optimizers), 'variables' gives each replica "
+            "whole variables (any optimizer), 'auto' picks."
+        )
     if not isinstance(inner, keras.optimizers.Optimizer):
         raise TypeError(
             "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance. "
@@ -43,30 +55,6 @@ def check_inner(inner):
                 "ShardedOptimizer(inner), k)`), or use its "
                 "`accumulation_steps`."
             )
-    if not isinstance(base, ELEMENTWISE):
-        raise ValueError(
-            f"ShardedOptimizer needs an optimizer whose update of an element "
-            f"uses that element only; {type(base).__name__} needs a whole "
-            "variable (factored moments, a per-variable trust ratio or "
-            "norm), so its update of a slice would differ. Received: "
-            f"inner_optimizer={type(base).__name__}. Use one of "
-            f"{[cls.__name__ for cls in ELEMENTWISE]}, or train "
-            f"{type(base).__name__} unsharded."
-        )
-    if type(base) not in ELEMENTWISE and not getattr(type(base), "elementwise", False):
-        known = next(c for c in type(base).__mro__ if c in ELEMENTWISE)
-        replaced = _compat.update_rule_overridden(type(base), known)
-        if replaced:
-            raise ValueError(
-                f"ShardedOptimizer cannot tell whether {type(base).__name__} "
-                f"updates an element from that element alone: it is a "
-                f"{known.__name__} with its own {' and '.join(replaced)}, "
-                "which may read a whole variable (a norm, a trust ratio, as "
-                "LARS does) and would then differ on a slice. Received: "
-                f"inner_optimizer={type(base).__name__}. If its update is "
-                "elementwise, say so with the class attribute "
-                "`elementwise = True`; otherwise train it unsharded."
-            )
     if base.use_ema:
         raise ValueError(
             "ShardedOptimizer does not keep an exponential moving average of "
@@ -80,3 +68,42 @@ def check_inner(inner):
             "which fails under tf.distribute (keras-team/keras#20582). Use "
             "`ShardedOptimizer(..., accumulation_steps=k)`."
         )
+    if shard_by == "variables":
+        return shard_by
+    if shard_by == "auto":
+        return "elements" if _is_elementwise(base) else "variables"
+    if not isinstance(base, ELEMENTWISE):
+        raise ValueError(
+            f"ShardedOptimizer needs an optimizer whose update of an element "
+            f"uses that element only; {type(base).__name__} needs a whole "
+            "variable (factored moments, a per-variable trust ratio or "
+            "norm), so its update of a slice would differ. Received: "
+            f"inner_optimizer={type(base).__name__}. Use one of "
+            f"{[cls.__name__ for cls in ELEMENTWISE]}, or shard it by whole "
+            "variables: `shard_by='variables'` (or 'auto')."
+        )
+    if type(base) not in ELEMENTWISE and not getattr(type(base), "elementwise", False):
+        known = next(c for c in type(base).__mro__ if c in ELEMENTWISE)
+        replaced = _compat.update_rule_overridden(type(base), known)
+        if replaced:
+            raise ValueError(
+                f"ShardedOptimizer cannot tell whether {type(base).__name__} "
+                f"updates an element from that element alone: it is a "
+                f"{known.__name__} with its own {' and '.join(replaced)}, "
+                "which may read a whole variable (a norm, a trust ratio, as "
+                "LARS does) and would then differ on a slice. Received: "
+                f"inner_optimizer={type(base).__name__}. If its update is "
+                "elementwise, say so with the class attribute "
+                "`elementwise = True`; otherwise shard it by whole variables: "
+                "`shard_by='variables'` (or 'auto')."
+            )
+    return "elements"
+
+
+def _is_elementwise(base) -> bool:
+    if not isinstance(base, ELEMENTWISE):
+        return False
+    if type(base) in ELEMENTWISE or getattr(type(base), "elementwise", False):
+        return True
+    known = next(c for c in type(base).__mro__ if c in ELEMENTWISE)
+    return not _compat.update_rule_overridden(type(base), known)

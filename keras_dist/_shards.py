@@ -22,8 +22,8 @@ class Shards:
         self._index = {id(v): i for i, v in enumerate(self.variables)}
         # NumPy, made into constants where used: the optimizer can be built
         # inside one traced function and used in another. Per-element arrays
-        # (4 bytes per parameter) only where needed: a variable index for
-        # `clipnorm` (made on first use), a mask for weight decay with
+        # (4 bytes per parameter) only where needed, when tracing: a
+        # variable index for `clipnorm`, a mask for weight decay with
         # exclusions (decaying everything needs none: padding stays zero).
         self._segments = None
         self._base = base
@@ -33,7 +33,7 @@ class Shards:
         elif all(decayed):
             self._decay = 1.0
         else:
-            self._decay = layout.element_mask(decayed)
+            self._decay = decayed
 
     def in_order(self, grads, variables) -> list:
         """Gradients in the layout's order: `None` for a variable that got
@@ -130,11 +130,11 @@ class Shards:
         decay = self._decay
         if active is not None and not all(active):
             decayed = [_compat.uses_weight_decay(self._base, v) for v in self.variables]
-            flags = [d and a for d, a in zip(decayed, active)]
-            decay = self.layout.element_mask(flags) if any(flags) else None
+            decay = [d and a for d, a in zip(decayed, active)]
+            decay = decay if any(decay) else None
         if decay is None or isinstance(decay, float):
             return decay
-        return self.layout.local(decay, replica)
+        return self.layout.local(self.layout.element_mask(decay), replica)
 
     def clipped(self, local, replica, rows=None):
         """The inner optimizer's clipping, on the summed gradient's slices
@@ -247,3 +247,42 @@ def update_loss_scale(scaler, finite, update, local):
 def tf_variable(variable):
     """The TensorFlow variable of a Keras variable (or the variable itself)."""
     return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def whole_value(sharded, variable):
+    """A variable's value to save: a slice variable gathered whole."""
+    component = tf_variable(variable)
+    if id(component) not in sharded.shard_rules:
+        return np.asarray(variable.numpy())
+    return sharded._shards.gathered(component)
+
+
+def load_value(sharded, variable, value):
+    """Assigns a saved value; a whole vector is resharded into slices."""
+    component = tf_variable(variable)
+    if id(component) not in sharded.shard_rules:
+        variable.assign(value)
+        return
+    sharded._shards.assign_slices(component, value)
+
+
+def save_whole(sharded, variables, store, owned=None):
+    """Writes `variables` whole into a Keras saving `store` (slices gathered),
+    then an `_owned.Owned`'s state after them."""
+    for index, variable in enumerate(variables):
+        store[str(index)] = whole_value(sharded, variable)
+    if owned is not None:
+        owned.save(store, len(variables))
+
+
+def load_whole(sharded, variables, store, owned=None):
+    """Reads what `save_whole` wrote, resharded for this strategy."""
+    if owned is not None:
+        owned.load_saved(store, len(variables))
+    elif len(store.keys()) != len(variables):
+        raise ValueError(
+            f"The saved optimizer has {len(store.keys())} variables; this one "
+            f"has {len(variables)}. Load it into the same optimizer and model."
+        )
+    for index, variable in enumerate(variables):
+        load_value(sharded, variable, np.asarray(store[str(index)]))

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_dist import _apply, _registration  # noqa: F401 (registers the hooks)
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
+from keras_dist._owned import Owned, apply_owned
 from keras_dist._sharding_checks import ELEMENTWISE, check_inner  # noqa: F401
-from keras_dist._shards import Shards, update_loss_scale
+from keras_dist._shards import Shards, load_whole, save_whole, update_loss_scale
 from keras_dist._shards import tf_variable as _tf_variable
 from keras_dist._validation import check_int
 from keras_dist._wrapper import InnerOptimizerWrapper, check_base_kwargs
@@ -125,11 +125,12 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         inner_optimizer,
         accumulation_steps=1,
         bucket_bytes=DEFAULT_BUCKET_BYTES,
+        shard_by="auto",
         name=None,
         **kwargs,
     ):
         check_base_kwargs("ShardedOptimizer", kwargs)
-        check_inner(inner_optimizer)
+        by_variables = check_inner(inner_optimizer, shard_by) == "variables"
         steps = check_int(
             "accumulation_steps",
             accumulation_steps,
@@ -138,10 +139,20 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             hint="1 means no accumulation.",
         )
         bucket_bytes = collectives.check_bucket_bytes(bucket_bytes)
+        if by_variables and steps > 1:
+            raise ValueError(
+                "ShardedOptimizer accumulates only when it shards by elements. "
+                f"Received: accumulation_steps={steps} with "
+                f"{type(inner_optimizer).__name__} sharded by whole variables. "
+                "Wrap it: `GradientAccumulationOptimizer(ShardedOptimizer("
+                f"inner), {steps})`."
+            )
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self._accumulation_steps = steps
         self._bucket_bytes = bucket_bytes
+        self._shard_by = shard_by
+        self._by_variables = by_variables
 
     # --- The wrapped optimizer ----------------------------------------------
 
@@ -186,6 +197,10 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             )
         dtype = next(iter(dtypes))
         replicas = strategy.num_replicas_in_sync
+        if self._by_variables:
+            self._build_owned(var_list, strategy)
+            super().build(var_list)
+            return
         layout = sharding.ShardLayout(
             [v.shape for v in var_list],
             replicas,
@@ -217,22 +232,47 @@ class ShardedOptimizer(InnerOptimizerWrapper):
                 )
         if self._accumulation_steps > 1:
             self._build_cycle()
+        self._save_inner_whole()
+        super().build(var_list)
+
+    def _build_owned(self, var_list, strategy):
+        """Whole variables per replica: their state in per-variable copies
+        of the inner optimizer on the owners' devices (`_owned.Owned`)."""
+        layout = sharding.OwnerLayout(
+            [v.shape for v in var_list], strategy.num_replicas_in_sync
+        )
+        base = self._base
+        _compat.set_untracked_attribute(
+            self, "_shards", Shards(layout, var_list, base, strategy)
+        )
+        _compat.set_untracked_attribute(
+            self, "_owned", Owned(layout, var_list, base, strategy)
+        )
+        (self._loss_scaler or base).build([])
+        self._save_inner_whole()
+
+    def _save_inner_whole(self):
         # Keras's saving visits `inner_optimizer` (and what it wraps) on its
         # own, calling their `save_own_variables`: a sharded slot would be
-        # saved as the first replica's slice. Those of these instances go
-        # through the same gathering and resharding as this wrapper's.
+        # saved as the first replica's slice, an owned one not at all. Those
+        # of these instances go through the same gathering and resharding as
+        # this wrapper's.
         for inner in nested_optimizers(self.inner_optimizer):
+            owned = getattr(self, "_owned", None) if inner is self._base else None
             _compat.set_untracked_attribute(
                 inner,
                 "save_own_variables",
-                lambda store, inner=inner: _save_whole(self, inner.variables, store),
+                lambda store, inner=inner, owned=owned: save_whole(
+                    self, inner.variables, store, owned
+                ),
             )
             _compat.set_untracked_attribute(
                 inner,
                 "load_own_variables",
-                lambda store, inner=inner: _load_whole(self, inner.variables, store),
+                lambda store, inner=inner, owned=owned: load_whole(
+                    self, inner.variables, store, owned
+                ),
             )
-        super().build(var_list)
 
     def _build_cycle(self):
         examples = _compat.add_replica_local_variable(
@@ -274,7 +314,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         rule: the slices are pieces of one vector's segments, resharded (not
         summed or copied) on another replica count.
         """
-        if not self.built:
+        if not self.built or self._by_variables:
             return {}
         segments = tuple(self._shards.layout.segments)
         sliced = [self._slice, *self._base.variables]
@@ -288,6 +328,27 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             if tuple(v.shape) == (self._shards.layout.slice_size,)
             and isinstance(_tf_variable(v), tf.distribute.DistributedValues)
         }
+
+    @property
+    def shard_by(self) -> str:
+        """How the state is sharded: `"elements"` or `"variables"`."""
+        return "variables" if self._by_variables else "elements"
+
+    @property
+    def state_not_in_inventory(self):
+        """Why the training state's inventory cannot hold this optimizer's
+        state (`None` when it can): sharded by whole variables, each owner's
+        state is kept outside the strategy's variables."""
+        if not self._by_variables:
+            return None
+        return (
+            "BackupAndRestore and the training state's inventory do not yet "
+            "hold the optimizer state of ShardedOptimizer(shard_by='variables') "
+            f"(received: inner_optimizer={type(self._base).__name__}): a "
+            "backup would resume with fresh optimizer state. Save with "
+            "`model.save(...)` or `keras.callbacks.ModelCheckpoint` (`.keras` "
+            "files hold it, on any replica count), or shard by elements."
+        )
 
     # --- Update ---------------------------------------------------------------
 
@@ -379,6 +440,11 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         grads = shards.in_order(grads, trainable_variables)
         # Static per trace: which variables got a gradient, which sparse.
         active = [g is not None for g in grads]
+        if self._by_variables:
+            apply_owned(
+                self, grads, hook, batch_size, non_finite_gradients, log_skips, active
+            )
+            return
         if self._accumulation_steps == 1:
             if batch_size is not None:
                 weighted = aggregation.weight_by_batch_share(
@@ -613,26 +679,11 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         Keras's saving visits the inner optimizer on its own; its variables
         go through the same gathering (see `build`).
         """
-        _save_whole(self, _compat.optimizer_own_variables(self), store)
+        save_whole(self, _compat.optimizer_own_variables(self), store)
 
     def load_own_variables(self, store):
         """Loads what `save_own_variables` wrote, resharded for this strategy."""
-        _load_whole(self, _compat.optimizer_own_variables(self), store)
-
-    def _whole(self, variable):
-        """A variable's value to save: a slice variable gathered whole."""
-        tf_variable = _tf_variable(variable)
-        if id(tf_variable) not in self.shard_rules:
-            return np.asarray(variable.numpy())
-        return self._shards.gathered(tf_variable)
-
-    def _load(self, variable, value):
-        """Assigns a saved value; a whole vector is resharded into slices."""
-        tf_variable = _tf_variable(variable)
-        if id(tf_variable) not in self.shard_rules:
-            variable.assign(value)
-            return
-        self._shards.assign_slices(tf_variable, value)
+        load_whole(self, _compat.optimizer_own_variables(self), store)
 
     def _save_sliced_whole(self, tf_variable) -> None:
         """`tf.train.Checkpoint` saves a slice variable whole, reshards it.
@@ -661,6 +712,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             ),
             "accumulation_steps": self._accumulation_steps,
             "bucket_bytes": self._bucket_bytes,
+            "shard_by": self._shard_by,
         }
 
     @classmethod
@@ -670,18 +722,3 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
-
-
-def _save_whole(sharded, variables, store):
-    for index, variable in enumerate(variables):
-        store[str(index)] = sharded._whole(variable)
-
-
-def _load_whole(sharded, variables, store):
-    if len(store.keys()) != len(variables):
-        raise ValueError(
-            f"The saved optimizer has {len(store.keys())} variables; this one "
-            f"has {len(variables)}. Load it into the same optimizer and model."
-        )
-    for index, variable in enumerate(variables):
-        sharded._load(variable, np.asarray(store[str(index)]))

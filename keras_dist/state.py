@@ -100,6 +100,9 @@ def training_state(model) -> inventory_lib.StateInventory:
     local = {}
     for nested in nested_optimizers(optimizer):
         local.update(getattr(nested, "local_rules", {}))
+        missing = getattr(nested, "state_not_in_inventory", None)
+        if missing:
+            raise ValueError(missing)
     _add(state, "model", model.variables, local=local)
     if optimizer is not None:
         # A sharded optimizer's slices are pieces of one vector.

@@ -108,6 +108,21 @@ def backend_update_step(optimizer, gradients, variables, learning_rate) -> None:
         optimizer._backend_update_step(gradients, variables, learning_rate)
 
 
+def update_whole(optimizer, gradients, variables, decayed, learning_rate) -> None:
+    """`optimizer`'s `apply` from weight decay on, on its own plain variables:
+    its `_apply_weight_decay(decayed)` (a class's own: Muon decays the
+    variables it updates like Adam by another factor), then its
+    `update_step` of each variable. No iteration count, no all-reduce."""
+    decay = type(optimizer)._apply_weight_decay
+    if decay is _TFOptimizer._apply_weight_decay:
+        # TensorFlow's version updates through the optimizer's strategy: the
+        # backend-free rule, with the same arithmetic, updates in place.
+        decay = _BaseOptimizer._apply_weight_decay
+    decay(optimizer, decayed)
+    for gradient, variable in zip(gradients, variables):
+        optimizer.update_step(gradient, variable, learning_rate)
+
+
 def uses_weight_decay(optimizer, variable) -> bool:
     """Whether `optimizer` decays `variable` (its exclusions applied)."""
     return optimizer.weight_decay is not None and optimizer._use_weight_decay(variable)
@@ -159,7 +174,9 @@ def symbolic_build(model, data_batch) -> None:
 # optimizers, metrics): `DistributedModel.all_reduce_hook_state` returns one,
 # so the hook's state has its own path in `.keras` / `.weights.h5` files and
 # plain Keras models load the same files.
+from keras.src.backend.tensorflow.optimizer import TFOptimizer as _TFOptimizer  # noqa: E402
 from keras.src.models.functional import Functional as Functional  # noqa: E402
+from keras.src.optimizers.base_optimizer import BaseOptimizer as _BaseOptimizer  # noqa: E402
 from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
 
 

@@ -607,6 +607,33 @@ def collectives_aborted(device: str) -> str | None:
 # TensorFlow's collectives (ordered by their own tokens).
 
 
+@contextlib.contextmanager
+def outside_strategy(device=None):
+    """Plain variables on `device`, inside a strategy's scope or step.
+
+    What is created inside sees the default strategy: a variable is an
+    ordinary `tf.Variable` (not mirrored, not per replica) and an optimizer
+    records the default strategy as its own. Sharding by whole variables
+    (`ShardedOptimizer(..., shard_by="variables")`) keeps each replica's
+    optimizer state this way, on that replica's device only: a strategy's
+    variables have the same shape on every replica. Runs outside any traced
+    function (`tf.init_scope`), with the graph's variable creators and
+    strategy stack (private, `ops.Graph`) emptied and restored.
+    """
+    with tf.init_scope():
+        graph = tf.compat.v1.get_default_graph()
+        creators = graph._variable_creator_stack
+        strategies = graph._distribution_strategy_stack
+        graph._variable_creator_stack = []
+        graph._distribution_strategy_stack = []
+        try:
+            with tf.device(device) if device else contextlib.nullcontext():
+                yield
+        finally:
+            graph._variable_creator_stack = creators
+            graph._distribution_strategy_stack = strategies
+
+
 def in_control_flow() -> bool:
     """Whether ops are being added inside a `tf.cond` or `tf.while_loop`,
     directly or in a function called from one."""

@@ -356,3 +356,101 @@ def count_non_finite(local_slice, others=()):
         ]
     )
     return collectives.all_reduce(local)
+
+
+class OwnerLayout:
+    """Whole variables owned by replicas, balanced by size.
+
+    The partition of PyTorch's `ZeroRedundancyOptimizer`: the variables,
+    largest first, each go to the replica that owns the fewest elements so
+    far. A replica keeps the optimizer state of its own variables only, so
+    an optimizer that needs a whole variable (factored moments, a trust
+    ratio, an orthogonalized update) updates it exactly as unsharded.
+
+    The gradients travel as one vector of `N` blocks of `slice_size`
+    elements: block `r` holds replica `r`'s variables in order, then zeros.
+    A reduce-scatter of that vector gives each replica the summed gradients
+    of its variables, an all-gather of the updated blocks every replica's
+    weights: the collectives of `ShardLayout`, in one segment. Its
+    `segment_flats`, `segments`, `pieces`, `issue_order` and `join_pieces`
+    are what `reduce_to_owners` reads.
+
+    Args:
+        shapes: List of the variables' shapes (tuples of ints), in order.
+        replicas: Int. The number of replicas `N`.
+    """
+
+    def __init__(self, shapes, replicas: int):
+        self.shapes = [tuple(int(d) for d in shape) for shape in shapes]
+        self.sizes = [math.prod(shape) for shape in self.shapes]
+        self.replicas = int(replicas)
+        loads = [0] * self.replicas
+        self.owners = [0] * len(self.sizes)
+        for index in sorted(range(len(self.sizes)), key=lambda i: -self.sizes[i]):
+            owner = min(range(self.replicas), key=lambda r: loads[r])
+            self.owners[index] = owner
+            loads[owner] += self.sizes[index]
+        self.owned = [
+            [i for i, o in enumerate(self.owners) if o == replica]
+            for replica in range(self.replicas)
+        ]
+        self.loads = loads
+        # A replica may own nothing (more replicas than variables): its block
+        # is padding. At least one element, so that every block exists.
+        self.slice_size = max(1, max(loads))
+        self.segments = [self.slice_size * self.replicas]
+        self.pieces = [self.slice_size]
+        self.issue_order = [0]
+
+    def segment_flats(self, tensors, dtype=None) -> list:
+        """The tensors (one per variable, in order) as the one vector of `N`
+        blocks, each replica's variables in its block."""
+        blocks = [
+            self.pack(replica, [tensors[i] for i in self.owned[replica]], dtype)
+            for replica in range(self.replicas)
+        ]
+        return [tf.concat(blocks, axis=0)]
+
+    def join_pieces(self, pieces):
+        """This replica's block (one segment, one piece)."""
+        (block,) = pieces
+        return block
+
+    def pack(self, replica: int, tensors, dtype=None):
+        """Replica `replica`'s variables' tensors as its block."""
+        flat = [tf.reshape(tf.cast(t, dtype) if dtype else t, [-1]) for t in tensors]
+        pad = self.slice_size - self.loads[replica]
+        if pad or not flat:
+            flat.append(
+                tf.zeros([pad], dtype or (tensors[0].dtype if tensors else tf.float32))
+            )
+        return tf.concat(flat, axis=0) if len(flat) > 1 else flat[0]
+
+    def unpack(self, replica: int, block) -> list:
+        """Replica `replica`'s block as its variables' tensors (in order)."""
+        owned = self.owned[replica]
+        if not owned:
+            return []
+        sizes = [self.sizes[i] for i in owned]
+        parts = (
+            tf.split(block[: sum(sizes)], sizes)
+            if len(sizes) > 1
+            else [block[: sizes[0]]]
+        )
+        return [tf.reshape(p, self.shapes[i]) for i, p in zip(owned, parts)]
+
+    def unpack_all(self, blocks) -> list:
+        """Every replica's block (`[N, slice_size]`) as the variables'
+        tensors, in the variables' order."""
+        values = [None] * len(self.sizes)
+        for replica in range(self.replicas):
+            for index, value in zip(
+                self.owned[replica], self.unpack(replica, blocks[replica])
+            ):
+                values[index] = value
+        return values
+
+
+def gather_blocks(layout: OwnerLayout, block) -> list:
+    """All-gathers every replica's block; returns the variables' tensors."""
+    return layout.unpack_all(collectives.all_gather(block[None], axis=0))
