@@ -15,6 +15,7 @@ one all-gather (`sharding.OwnerLayout`).
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import keras
 import numpy as np
@@ -24,6 +25,8 @@ from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
 from keras_dist._shards import update_loss_scale
 from keras_dist.core import aggregation, collectives, sharding, topology
+
+logger = logging.getLogger(__name__)
 
 
 class Owned:
@@ -53,6 +56,24 @@ class Owned:
                 self.proxies[index] = proxy
                 self.optimizers[index] = optimizer
 
+    def track(self, owner) -> None:
+        """Makes each optimizer copy here a checkpoint dependency of `owner`
+        (named by its variable's index): `tf.train.Checkpoint` saves and
+        restores them, on any replica count in one process. A worker holds
+        its own replicas' copies only: its checkpoint lacks the others'."""
+        for index, optimizer in self.optimizers.items():
+            _compat.track_checkpoint_dependency(
+                owner, f"owned_state_{index}", optimizer
+            )
+        if topology.count_workers(self.strategy) > 1:
+            logger.warning(
+                "keras_dist: ShardedOptimizer(shard_by='variables') on %d "
+                "workers: a tf.train.Checkpoint written by one worker holds "
+                "the optimizer state of that worker's variables only. Save "
+                "with model.save(...) (a .keras file holds every worker's).",
+                topology.count_workers(self.strategy),
+            )
+
     # --- The step (replica context) ----------------------------------------
 
     def replica(self) -> int:
@@ -76,7 +97,7 @@ class Owned:
         for index in self.layout.owned[replica]:
             self.proxies[index].assign(self.variables[index].value)
 
-    def update(self, block, replica: int, active, global_norm=None) -> None:
+    def update(self, block, replica: int, active, global_norm=None, rows=None):
         """Runs the owned variables' updates on their summed gradients.
 
         Args:
@@ -87,7 +108,10 @@ class Owned:
                 leaves them).
             global_norm: Scalar or `None`: the norm of the whole gradient,
                 for `global_clipnorm`.
+            rows: Dict or `None`: variable index -> its gathered
+                `tf.IndexedSlices` (a sparse gradient; its block part is 0).
         """
+        rows = rows or {}
         base = self.base
         learning_rate = base.learning_rate
         iterations = base.iterations
@@ -103,7 +127,7 @@ class Owned:
             current = optimizer.learning_rate
             if isinstance(current, keras.Variable):
                 current.assign(learning_rate)
-            gradient = _clipped(base, gradient, global_norm)
+            gradient = _clipped(base, rows.get(index, gradient), global_norm)
             _compat.update_whole(
                 optimizer,
                 [gradient],
@@ -248,6 +272,9 @@ def _clipped(base, gradient, global_norm):
         norm = tf.cast(global_norm, gradient.dtype)
         return gradient * (clip * tf.minimum(1.0 / norm, 1.0 / clip))
     if base.clipvalue and base.clipvalue > 0:
+        if isinstance(gradient, tf.IndexedSlices):
+            values = tf.clip_by_value(gradient.values, -base.clipvalue, base.clipvalue)
+            return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
         return tf.clip_by_value(gradient, -base.clipvalue, base.clipvalue)
     return gradient
 
@@ -256,13 +283,13 @@ def apply_owned(sharded, grads, hook, batch_size, non_finite, log_skips, active)
     """Sharded by whole variables: each replica's block of the summed
     gradients (one reduce-scatter), its owners' updates, one all-gather.
 
-    Sparse gradients (an `Embedding`'s rows) are summed densely: these
-    optimizers read them densely too.
+    Sparse gradients (an `Embedding`'s rows) travel as rows, every
+    replica's gathered, as unsharded: the owner's optimizer reads them per
+    occurrence of a row, as Keras's does.
     """
     owned = sharded._owned
     base = sharded._base
     scaler = sharded._loss_scaler
-    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
     if batch_size is not None:
         weighted = iter(
             aggregation.weight_by_batch_share(
@@ -274,28 +301,53 @@ def apply_owned(sharded, grads, hook, batch_size, non_finite, log_skips, active)
     block = sharded._reduce_to_owners(
         owned.layout.segment_flats(sharded._shards.dense(grads), dtype), hook
     )
+    rows = {
+        i: collectives.all_reduce(g)
+        for i, g in enumerate(grads)
+        if isinstance(g, tf.IndexedSlices)
+    }
+    if rows and (base.clipnorm or base.global_clipnorm):
+        raise ValueError(
+            "ShardedOptimizer cannot clip by norm where gradients are sparse: "
+            f"{[owned.variables[i].path for i in rows]} get an Embedding's "
+            "rows, whose norm Keras counts per occurrence of a row. Received: "
+            f"inner optimizer with clipnorm={base.clipnorm}, global_clipnorm="
+            f"{base.global_clipnorm}. Use `clipvalue`, or train unsharded."
+        )
+    keys = sorted(rows)
+    values = [rows[i].values for i in keys]
     # Unscale, then clip (in the owners' update), as Keras's `apply` does.
-    if scaler is not None:
-        block = block / tf.cast(scaler.dynamic_scale, dtype)
-    if base.loss_scale_factor is not None:
-        block = block / tf.cast(base.loss_scale_factor, dtype)
+    for divisor in (
+        None if scaler is None else scaler.dynamic_scale,
+        base.loss_scale_factor,
+    ):
+        if divisor is not None:
+            block = block / tf.cast(divisor, dtype)
+            values = [v / tf.cast(divisor, v.dtype) for v in values]
     finite = None
     if scaler is not None or non_finite != "apply":
-        finite = tf.equal(sharding.count_non_finite(block), 0)
+        finite = tf.equal(sharding.count_non_finite(block, values), 0)
     norm = sharding.global_norm(block) if base.global_clipnorm else tf.zeros(())
     replica = owned.replica()
     owned.load(replica)
+    parts = [block, norm]
+    for i, value in zip(keys, values):
+        parts += [value, rows[i].indices]
 
     def update(parts):
         # Run per replica, maybe from a cross-replica `cond`: the replica
         # and its values come from there.
-        owned.update(parts[0], owned.replica(), active, parts[1])
+        sparse = {
+            i: tf.IndexedSlices(parts[2 + 2 * k], parts[3 + 2 * k], rows[i].dense_shape)
+            for k, i in enumerate(keys)
+        }
+        owned.update(parts[0], owned.replica(), active, parts[1], sparse)
 
     if scaler is not None:
-        update_loss_scale(scaler, finite, update, [block, norm])
+        update_loss_scale(scaler, finite, update, parts)
     else:
         aggregation.apply_reduced(
-            [block, norm],
+            parts,
             update,
             non_finite,
             base.iterations,

@@ -245,9 +245,9 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         _compat.set_untracked_attribute(
             self, "_shards", Shards(layout, var_list, base, strategy)
         )
-        _compat.set_untracked_attribute(
-            self, "_owned", Owned(layout, var_list, base, strategy)
-        )
+        owned = Owned(layout, var_list, base, strategy)
+        _compat.set_untracked_attribute(self, "_owned", owned)
+        owned.track(self)
         (self._loss_scaler or base).build([])
         self._save_inner_whole()
 

@@ -24,6 +24,14 @@ INNER = {
     "clipvalue": lambda keras: keras.optimizers.SGD(0.1, clipvalue=0.01),
 }
 
+# name -> factory of an optimizer that needs whole variables: sharded by
+# variables (tests/test_sharding_ownership.py).
+OWNED = {
+    "adafactor": lambda keras: keras.optimizers.Adafactor(0.05),
+    "lamb": lambda keras: keras.optimizers.Lamb(0.01),
+    "muon": lambda keras: keras.optimizers.Muon(0.01),
+}
+
 
 def sharded_fit(names, accumulation_steps, micro_batch, epochs=2):
     """ShardedOptimizer with DistributedModel on MultiWorkerMirroredStrategy.
@@ -61,7 +69,7 @@ def sharded_cases(cases, epochs=2):
         dataset = sharded_dataset(x, y, micro_batch * strategy.num_replicas_in_sync)
         with strategy.scope():
             optimizer = keras_dist.ShardedOptimizer(
-                INNER[name](keras),
+                {**INNER, **OWNED}[name](keras),
                 accumulation_steps=accumulation_steps,
                 bucket_bytes=SEGMENT_BYTES,
             )
@@ -73,11 +81,14 @@ def sharded_cases(cases, epochs=2):
         group = gloo.group_for(strategy)
         slots = optimizer.inner_optimizer.variables[-1]
         local = strategy.experimental_local_results(slots.value)
+        owned = getattr(optimizer, "_owned", None)
         results.append(
             {
                 "weights": model.get_weights(),
                 "iterations": int(optimizer.iterations.numpy()),
                 "slot_shape": [tuple(c.shape) for c in local],
+                # Sharded by variables: those whose state this worker keeps.
+                "owned": None if owned is None else sorted(owned.optimizers),
                 "gloo": None if group is None else dict(group.ops),
             }
         )

@@ -394,8 +394,10 @@ def test_two_worker_processes_equal_unsharded():
     ],
 )
 def test_what_cannot_be_sharded_is_refused_by_name(inner, match):
+    # Sharded by elements (`"auto"` shards Adafactor and Lamb by variables:
+    # tests/test_sharding_ownership.py).
     with pytest.raises((ValueError, TypeError), match=match):
-        keras_dist.ShardedOptimizer(inner())
+        keras_dist.ShardedOptimizer(inner(), shard_by="elements")
 
 
 def test_a_hook_that_compresses_an_all_reduce_is_refused(mirrored):
@@ -586,7 +588,9 @@ def test_a_subclass_with_its_own_update_rule_must_say_it_is_elementwise():
     with pytest.raises(
         ValueError, match=r"ScaledByNorm.*own update_step.*elementwise = True"
     ):
-        keras_dist.ShardedOptimizer(ScaledByNorm(0.1))
-    keras_dist.ShardedOptimizer(ElementwiseSGD(0.1))
+        keras_dist.ShardedOptimizer(ScaledByNorm(0.1), shard_by="elements")
+    # By default such a subclass is sharded by whole variables (exact).
+    assert keras_dist.ShardedOptimizer(ScaledByNorm(0.1)).shard_by == "variables"
+    assert keras_dist.ShardedOptimizer(ElementwiseSGD(0.1)).shard_by == "elements"
     # A subclass that only changes defaults keeps its base's rule.
     keras_dist.ShardedOptimizer(type("Tuned", (keras.optimizers.Adam,), {})(0.1))

@@ -47,6 +47,7 @@ LAYERS = [
             "keras_dist._wrapper",
             "keras_dist.optimizers",
             "keras_dist._shards",
+            "keras_dist._owned",
             "keras_dist._sharding_checks",
             "keras_dist.sharding",
             "keras_dist.local_sgd",
