@@ -13,8 +13,8 @@ import contextlib
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 import sharding_workers
+import tensorflow as tf
 from helpers import compile_model, make_data, max_abs_diff, mlp
 from sharding_workers import OWNED
 
