@@ -298,7 +298,7 @@ def apply_owned(sharded, grads, hook, batch_size, non_finite, log_skips, active)
         )
         grads = [None if g is None else next(weighted) for g in grads]
     dtype = tf.as_dtype(owned.variables[0].dtype)
-    block = sharded._reduce_to_owners(
+    block = sharded._shards.reduce(
         owned.layout.segment_flats(sharded._shards.dense(grads), dtype), hook
     )
     rows = {

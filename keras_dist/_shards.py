@@ -9,7 +9,9 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist._compat import keras_src as _compat
+from keras_dist._compat import tf_internal
 from keras_dist.core import aggregation, collectives, sharding, topology
+from keras_dist.core.plain import NoCompression
 
 
 class Shards:
@@ -167,6 +169,41 @@ class Shards:
             factor = base.global_clipnorm / tf.maximum(norm, base.global_clipnorm)
             local = local * tf.cast(factor, local.dtype)
         return local
+
+    def reduce(self, flats, hook):
+        """This replica's summed slice (or block) of the gradient flattened as
+        `layout.segment_flats` makes it; a cast hook's dtype on the wire."""
+        if hook is None or type(hook) is NoCompression:
+            local, _ = sharding.reduce_to_owners(self.layout, flats)
+            return local
+        dtype = flats[0].dtype
+        local, overflowed = sharding.reduce_to_owners(
+            self.layout,
+            flats,
+            wire_dtype=hook.wire_dtype_for(dtype),
+            range_checked=hook.range_checked(dtype),
+        )
+        if overflowed is None:
+            return local
+        (local,) = hook.count_overflow(overflowed, [local])
+        return local
+
+    def checkpoint_whole(self, tf_variable) -> None:
+        """`tf.train.Checkpoint` saves a slice variable whole, reshards it.
+
+        A per-replica variable is otherwise written as its first replica's
+        value: one slice of the state.
+        """
+        slice_shape = (self.layout.slice_size,)
+        if tuple(tf_variable.shape) != slice_shape or not isinstance(
+            tf_variable, tf.distribute.DistributedValues
+        ):
+            return
+        tf_internal.checkpoint_through(
+            tf_variable,
+            lambda: tf.constant(self.gathered(tf_variable)),
+            lambda value: self.assign_slices(tf_variable, value),
+        )
 
     def gathered(self, tf_variable) -> np.ndarray:
         """Every replica's slice of a per-replica variable, joined into the

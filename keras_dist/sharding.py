@@ -7,7 +7,6 @@ import tensorflow as tf
 
 from keras_dist import _apply, _registration  # noqa: F401 (registers the hooks)
 from keras_dist._compat import keras_src as _compat
-from keras_dist._compat import tf_internal
 from keras_dist._owned import Owned, apply_owned
 from keras_dist._sharding_checks import ELEMENTWISE, check_inner  # noqa: F401
 from keras_dist._shards import Shards, load_whole, save_whole, update_loss_scale
@@ -78,18 +77,28 @@ class ShardedOptimizer(InnerOptimizerWrapper):
       is saved whole (gathered from the slices) and resharded on load, on any
       number of replicas.
 
-    Inner optimizers whose update of an element needs other elements of its
-    variable are refused (Adafactor's factored moments, Lamb's per-variable
-    trust ratio, Muon): their update on a slice would differ. Use them
-    unsharded. A subclass of an elementwise optimizer that replaces its
-    update rule (`update_step`) is refused too, unless the class says its
+    An optimizer whose update of an element needs other elements of its
+    variable (Adafactor's factored moments, Lamb's per-variable trust
+    ratio, Muon's orthogonalized update) is sharded by whole variables
+    instead (`shard_by="variables"`, which `"auto"` picks for them), as
+    PyTorch's `ZeroRedundancyOptimizer` does: each replica owns whole
+    variables, balanced by size, and keeps their state only, in copies of
+    the inner optimizer on its device; one reduce-scatter gives each
+    replica its variables' summed gradients, one all-gather everyone's
+    updated variables. The state per replica is then about `1/N`, as
+    even as the variables' sizes allow; `.keras` files and
+    `tf.train.Checkpoint` hold it (on any replica count), the backups of
+    `BackupAndRestore` do not yet (it refuses), and accumulation wraps it
+    (`GradientAccumulationOptimizer(ShardedOptimizer(...), k)`). A subclass
+    of an elementwise optimizer that replaces its update rule
+    (`update_step`) is sharded by variables too, unless the class says its
     update is elementwise (`elementwise = True` as a class attribute).
 
     Args:
-        inner_optimizer: `keras.optimizers.Optimizer`, one of the elementwise
-            ones (`ELEMENTWISE`: SGD, Adam, AdamW, Adamax, Nadam, RMSprop,
-            Adagrad, Adadelta, Ftrl, Lion, or a subclass), or a
-            `LossScaleOptimizer` around one.
+        inner_optimizer: `keras.optimizers.Optimizer`, or a
+            `LossScaleOptimizer` around one. Sharded by elements: one of the
+            elementwise ones (`ELEMENTWISE`: SGD, Adam, AdamW, Adamax, Nadam,
+            RMSprop, Adagrad, Adadelta, Ftrl, Lion, or a subclass).
         accumulation_steps: Int >= 1. Micro-steps per update, with
             reduce-scattered slice accumulators (stage 2). Defaults to `1`.
         bucket_bytes: Int or `None`. The size of a segment in bytes: one
@@ -98,15 +107,21 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             one segment, the whole model flattened (one collective each,
             after the backward pass). The saved state does not depend on
             it: a backup or `.keras` file loads with any value.
+        shard_by: String: `"elements"` (every variable split over the
+            replicas; elementwise optimizers only), `"variables"` (whole
+            variables per replica; any optimizer, no `accumulation_steps`)
+            or `"auto"`: elements for an elementwise optimizer, variables
+            otherwise. Defaults to `"auto"`.
         name: String or `None`. Name of the optimizer.
         **kwargs: Base optimizer arguments, accepted only at their Keras
             default values: set them on `inner_optimizer`.
 
     Raises:
         TypeError: `inner_optimizer` is not a Keras optimizer.
-        ValueError: an optimizer that is not elementwise, EMA, Keras's own
-            gradient accumulation, an optimizer that is already sharded or
-            accumulating, or a refused argument.
+        ValueError: an optimizer that is not elementwise with
+            `shard_by="elements"`, EMA, Keras's own gradient accumulation,
+            an optimizer that is already sharded or accumulating, or a
+            refused argument.
 
     Example:
 
@@ -212,7 +227,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             "_shards",
             Shards(layout, var_list, self._base, strategy),
         )
-        with sharding.replica_local_variables(on_create=self._save_sliced_whole):
+        with sharding.replica_local_variables(on_create=self._shards.checkpoint_whole):
             self._slice = keras.Variable(
                 keras.initializers.Zeros(),
                 shape=(layout.slice_size,),
@@ -452,7 +467,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
                 )
                 weighted = iter(weighted)
                 grads = [None if g is None else next(weighted) for g in grads]
-            local = self._reduce_to_owners(
+            local = self._shards.reduce(
                 shards.layout.segment_flats(shards.dense(grads), self._slice.dtype),
                 hook,
             )
@@ -481,7 +496,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         examples = tf.cast(1 if batch_size is None else batch_size, tf.float32)
         flats = shards.layout.segment_flats(shards.dense(dense), self._slice.dtype)
         weight = tf.cast(examples * replicas, self._slice.dtype)
-        local = self._reduce_to_owners([flat * weight for flat in flats], hook)
+        local = self._shards.reduce([flat * weight for flat in flats], hook)
         self._cycle.accumulate(
             [local],
             [self._slice],
@@ -536,23 +551,6 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             self._update(mean[0], non_finite_gradients, log_skips, active)
 
         return apply
-
-    def _reduce_to_owners(self, flats, hook):
-        """This replica's summed slice; a cast hook's dtype on the wire."""
-        if hook is None or type(hook) is NoCompression:
-            local, _ = sharding.reduce_to_owners(self._shards.layout, flats)
-            return local
-        dtype = flats[0].dtype
-        local, overflowed = sharding.reduce_to_owners(
-            self._shards.layout,
-            flats,
-            wire_dtype=hook.wire_dtype_for(dtype),
-            range_checked=hook.range_checked(dtype),
-        )
-        if overflowed is None:
-            return local
-        (local,) = hook.count_overflow(overflowed, [local])
-        return local
 
     def _update(self, local, non_finite, log_skips, active=None, rows=None):
         """Updates this replica's slice with its summed gradient; gathers.
@@ -684,23 +682,6 @@ class ShardedOptimizer(InnerOptimizerWrapper):
     def load_own_variables(self, store):
         """Loads what `save_own_variables` wrote, resharded for this strategy."""
         load_whole(self, _compat.optimizer_own_variables(self), store)
-
-    def _save_sliced_whole(self, tf_variable) -> None:
-        """`tf.train.Checkpoint` saves a slice variable whole, reshards it.
-
-        A per-replica variable is otherwise written as its first replica's
-        value: one slice of the state.
-        """
-        slice_shape = (self._shards.layout.slice_size,)
-        if tuple(tf_variable.shape) != slice_shape or not isinstance(
-            tf_variable, tf.distribute.DistributedValues
-        ):
-            return
-        tf_internal.checkpoint_through(
-            tf_variable,
-            lambda: tf.constant(self._shards.gathered(tf_variable)),
-            lambda value: self._shards.assign_slices(tf_variable, value),
-        )
 
     # --- Serialization ----------------------------------------------------------
 

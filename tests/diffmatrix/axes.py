@@ -52,6 +52,7 @@ PIECES = (
     "accumulate_2",
     "sharded_1",
     "sharded_2",
+    "sharded_variables",
     "backup_same",
     "backup_elastic",
     "backup_elastic_accumulate",

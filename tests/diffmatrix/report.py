@@ -116,7 +116,9 @@ product):
 Pieces: `model` is `DistributedModel` with the default hook, `model_fp16` /
 `model_bf16` with the `FP16` / `BF16` hooks, `accumulate_k` a
 `GradientAccumulationOptimizer` with `accumulation_steps=k`, `sharded_k` a
-`ShardedOptimizer` with `accumulation_steps=k`, `backup_same` a run stopped
+`ShardedOptimizer` with `accumulation_steps=k`, `sharded_variables` a
+`ShardedOptimizer` with `shard_by="variables"` (whole variables per
+replica), `backup_same` a run stopped
 after 7 batches and resumed by `BackupAndRestore(save_freq=5)` on the same
 strategy, `backup_elastic` resumed on one device from 2 replicas or the
 other way round, `backup_elastic_accumulate` the same with accumulation 2,

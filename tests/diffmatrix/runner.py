@@ -103,6 +103,8 @@ def candidate_optimizer(case: Case):
         return keras_dist.GradientAccumulationOptimizer(
             inner, accumulation_steps=accumulation_steps(case.piece)
         )
+    if case.piece == "sharded_variables":
+        return keras_dist.ShardedOptimizer(inner, shard_by="variables")
     if case.piece.startswith("sharded"):
         # Small segments: the matrix's models would make one at 4 MiB.
         return keras_dist.ShardedOptimizer(
