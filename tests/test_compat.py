@@ -455,3 +455,34 @@ def test_the_global_batch_of_fit_input_is_read_without_reading_data():
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(2)
     _tiny_model().fit(dataset, epochs=1, callbacks=[seer], verbose=0)
     assert _compat.epoch_iterator_input(seer.iterator) == ("tf.data", 2)
+
+
+def test_variables_outside_the_strategy_are_plain_and_decay_in_a_replica(mirrored):
+    # `tf_internal.outside_strategy` empties the graph's creator and strategy
+    # stacks; `keras_src.update_whole` calls `_apply_weight_decay` and
+    # `update_step` (TFOptimizer's weight decay goes through the strategy,
+    # so the backend-free one of BaseOptimizer is used instead).
+    strategy = mirrored(2)
+    with strategy.scope():
+        with tf_internal.outside_strategy("/cpu:1"):
+            plain = keras.Variable(tf.ones((2,)), name="plain")
+            optimizer = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+            optimizer.build([plain])
+        assert tf.distribute.has_strategy()
+    assert not isinstance(plain.value, tf.distribute.DistributedValues)
+    assert plain.value.device.endswith("CPU:1")
+    assert optimizer._distribution_strategy is not strategy
+    assert "_apply_weight_decay" in vars(TFOptimizer)
+
+    @tf.function
+    def step():
+        def replica():
+            if tf.distribute.get_replica_context().replica_id_in_sync_group == 1:
+                _compat.update_whole(
+                    optimizer, [tf.zeros((2,))], [plain], [plain], tf.constant(0.1)
+                )
+
+        strategy.run(replica)
+
+    step()
+    np.testing.assert_allclose(plain.numpy(), [0.95, 0.95])
