@@ -48,6 +48,7 @@ class Owned:
         self.decayed = [_compat.uses_weight_decay(base, v) for v in self.variables]
         self.proxies = {}
         self.optimizers = {}
+        self._remote_specs = {}
         first, count = topology.worker_layout(strategy)
         devices = _devices(strategy, count)
         for offset, device in enumerate(devices):
@@ -184,10 +185,13 @@ class Owned:
         if index in self.optimizers:
             return [(tuple(v.shape), v.dtype) for v in self.slots(index)]
         # Owned on another worker: the same optimizer built on a stand-in of
-        # the same shape has the same state (built on the CPU, then dropped).
-        variable = self.variables[index]
-        _, optimizer = _owner_copy(self.base, variable, "/cpu:0")
-        return [(tuple(v.shape), v.dtype) for v in _state_of(optimizer)]
+        # the same shape has the same state (built on the CPU once, dropped).
+        specs = self._remote_specs.get(index)
+        if specs is None:
+            _, optimizer = _owner_copy(self.base, self.variables[index], "/cpu:0")
+            specs = [(tuple(v.shape), v.dtype) for v in _state_of(optimizer)]
+            self._remote_specs[index] = specs
+        return specs
 
     def _state_values(self, index: int) -> list:
         strategy = self.strategy

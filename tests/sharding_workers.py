@@ -33,7 +33,7 @@ OWNED = {
 }
 
 
-def sharded_fit(names, accumulation_steps, micro_batch, epochs=2):
+def sharded_fit(names, accumulation_steps, micro_batch, epochs=2, save_to=None):
     """ShardedOptimizer with DistributedModel on MultiWorkerMirroredStrategy.
 
     Per optimizer: the weights, the iterations, the shape of a slot's local
@@ -41,10 +41,10 @@ def sharded_fit(names, accumulation_steps, micro_batch, epochs=2):
     collectives by kind (`None` on TensorFlow's collectives).
     """
     cases = [(name, accumulation_steps, micro_batch, None) for name in names]
-    return dict(zip(names, sharded_cases(cases, epochs)))
+    return dict(zip(names, sharded_cases(cases, epochs, save_to)))
 
 
-def sharded_cases(cases, epochs=2):
+def sharded_cases(cases, epochs=2, save_to=None):
     """`sharded_fit` per case `(name, accumulation_steps, micro_batch,
     hook_config)` (`hook_config`: a serialized all-reduce hook or `None`),
     one strategy for all; a list of results in the cases' order."""
@@ -78,6 +78,10 @@ def sharded_cases(cases, epochs=2):
                 hook = keras.saving.deserialize_keras_object(hook_config)
                 model.register_all_reduce_hook(hook)
         model.fit(dataset, epochs=epochs, verbose=0)
+        if save_to is not None:
+            # Every worker saves (the collectives of a save need them all).
+            task = strategy.cluster_resolver.task_id
+            model.save(os.path.join(save_to, f"{name}-{task}.keras"))
         group = gloo.group_for(strategy)
         slots = optimizer.inner_optimizer.variables[-1]
         local = strategy.experimental_local_results(slots.value)

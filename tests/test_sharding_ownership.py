@@ -148,6 +148,24 @@ def test_embeddings_and_mixed_precision_train_as_unsharded(mirrored):
         assert diff < 1e-6, policy
 
 
+def test_the_fp16_hook_sends_the_blocks_in_16_bits(mirrored):
+    strategy = mirrored(2)
+    exact = fit(strategy, lambda: keras.optimizers.SGD(0.1), epochs=2)
+    x, y = make_data(n=EXAMPLES)
+    hook = keras_dist.compression.FP16()
+    with strategy.scope():
+        optimizer = keras_dist.ShardedOptimizer(
+            keras.optimizers.SGD(0.1), shard_by="variables"
+        )
+        model = compile_model(mlp(keras_dist.DistributedModel), optimizer)
+        model.register_all_reduce_hook(hook)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert hook.stats().ratio == pytest.approx(2.0)
+    # Only each replica's cast rounds (plain SGD shows its size): close to
+    # the exact run, not equal to it.
+    assert 0 < max_abs_diff(exact.get_weights(), model.get_weights()) < 1e-4
+
+
 def test_a_keras_file_saved_on_two_replicas_resumes_on_four_and_one(tmp_path, mirrored):
     reference = fit(mirrored(2), lambda: OWNED["lamb"](keras), epochs=1)
     model = fit(mirrored(2), by_variables("lamb"), epochs=1)
@@ -193,10 +211,14 @@ def test_the_layout_balances_whole_variables_and_packs_blocks():
 
 
 @pytest.mark.multiworker
-def test_two_worker_processes_equal_unsharded():
+def test_two_worker_processes_equal_unsharded(tmp_path):
     names = sorted(OWNED)
     results = run_workers(
-        sharding_workers.sharded_fit, num_workers=2, args=(names, 1, 8), timeout=400
+        sharding_workers.sharded_fit,
+        num_workers=2,
+        args=(names, 1, 8),
+        kwargs={"save_to": str(tmp_path)},
+        timeout=400,
     )
     x, y = make_data()
     for name in names:
@@ -208,6 +230,19 @@ def test_two_worker_processes_equal_unsharded():
             assert max_abs_diff(reference.get_weights(), got["weights"]) < tolerance
         # Each worker keeps the state of its replica's variables only.
         assert [r[name]["owned"] for r in results] == [[0], [1, 2, 3]]
+        # Each worker's .keras file holds every variable's state, the other
+        # worker's share gathered: the two files are the same.
+        files = [
+            keras.saving.load_model(tmp_path / f"{name}-{task}.keras")
+            for task in (0, 1)
+        ]
+        states = [f.optimizer._owned for f in files]
+        for index in range(len(states[0].variables)):
+            first, second = (
+                [v.numpy() for v in state.slots(index)] for state in states
+            )
+            assert max_abs_diff(first, second) == 0
+            assert any(np.any(v != 0) for v in first), (name, index)
 
 
 def test_a_checkpoint_restores_the_owned_state_on_another_replica_count(
