@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
-from keras_dist._shards import update_loss_scale
+from keras_dist._shards import apply_as_decided
 from keras_dist.core import aggregation, collectives, sharding, topology
 
 logger = logging.getLogger(__name__)
@@ -347,18 +347,5 @@ def apply_owned(sharded, grads, hook, batch_size, non_finite, log_skips, active)
         }
         owned.update(parts[0], owned.replica(), active, parts[1], sparse)
 
-    if scaler is not None:
-        update_loss_scale(scaler, finite, update, parts)
-    else:
-        aggregation.apply_reduced(
-            parts,
-            update,
-            non_finite,
-            base.iterations,
-            loss_scaled=False,
-            how_to_raise=(
-                "compile(..., non_finite_gradients='raise')" if log_skips else None
-            ),
-            finite=finite,
-        )
+    apply_as_decided(scaler, finite, update, parts, non_finite, base, log_skips)
     sharded._shards.assign(sharding.gather_blocks(owned.layout, owned.block(replica)))

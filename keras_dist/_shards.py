@@ -281,6 +281,26 @@ def update_loss_scale(scaler, finite, update, local):
     tf.distribute.get_replica_context().merge_call(cross_replica, args=(finite, local))
 
 
+def apply_as_decided(scaler, finite, update, parts, non_finite, base, log_skips):
+    """Runs `update(parts)` on every replica as the loss scaler (when there
+    is one) or `non_finite_gradients` decides, `finite` being the
+    all-reduced verdict on the step's gradients (replica context)."""
+    if scaler is not None:
+        update_loss_scale(scaler, finite, update, parts)
+        return
+    aggregation.apply_reduced(
+        parts,
+        update,
+        non_finite,
+        base.iterations,
+        loss_scaled=False,
+        how_to_raise=(
+            "compile(..., non_finite_gradients='raise')" if log_skips else None
+        ),
+        finite=finite,
+    )
+
+
 def tf_variable(variable):
     """The TensorFlow variable of a Keras variable (or the variable itself)."""
     return variable.value if isinstance(variable, keras.Variable) else variable

@@ -9,7 +9,7 @@ from keras_dist import _apply, _registration  # noqa: F401 (registers the hooks)
 from keras_dist._compat import keras_src as _compat
 from keras_dist._owned import Owned, apply_owned
 from keras_dist._sharding_checks import ELEMENTWISE, check_inner  # noqa: F401
-from keras_dist._shards import Shards, load_whole, save_whole, update_loss_scale
+from keras_dist._shards import Shards, apply_as_decided, load_whole, save_whole
 from keras_dist._shards import tf_variable as _tf_variable
 from keras_dist._validation import check_int
 from keras_dist._wrapper import InnerOptimizerWrapper, check_base_kwargs
@@ -643,20 +643,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
                 variable.assign(tf.where(inactive, before, variable.value))
             base.iterations.assign_add(1)
 
-        if scaler is not None:
-            update_loss_scale(scaler, finite, update, parts)
-        else:
-            aggregation.apply_reduced(
-                parts,
-                update,
-                non_finite,
-                base.iterations,
-                loss_scaled=False,
-                how_to_raise=(
-                    "compile(..., non_finite_gradients='raise')" if log_skips else None
-                ),
-                finite=finite,
-            )
+        apply_as_decided(scaler, finite, update, parts, non_finite, base, log_skips)
         # Every replica's slice into every replica's weights.
         shards.assign(sharding.gather_slices(shards.layout, self._slice.value))
 
