@@ -16,7 +16,7 @@ import pytest
 import sharding_workers
 import tensorflow as tf
 from helpers import compile_model, make_data, max_abs_diff, mlp
-from sharding_workers import OWNED
+from sharding_workers import INNER, OWNED
 
 import keras_dist
 from keras_dist.callbacks import BackupAndRestore
@@ -54,6 +54,19 @@ def test_whole_variable_optimizers_equal_unsharded(name, replicas, mirrored):
     one_device = fit(None, lambda: OWNED[name](keras))
     tolerance = ONE_DEVICE_TOLERANCE[name]
     assert max_abs_diff(one_device.get_weights(), model.get_weights()) < tolerance
+
+
+@pytest.mark.parametrize("name", ["adamw", "global_clipnorm", "clipnorm"])
+def test_weight_decay_and_clipping_act_as_unsharded_on_whole_variables(name, mirrored):
+    # Elementwise optimizers sharded by variables on purpose: the owner's
+    # weight decay, per-variable and global clipping are Keras's.
+    strategy = mirrored(2)
+    model = fit(
+        strategy,
+        lambda: keras_dist.ShardedOptimizer(INNER[name](keras), shard_by="variables"),
+    )
+    reference = fit(strategy, lambda: INNER[name](keras))
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) < 1e-6
 
 
 @pytest.mark.parametrize("replicas", [2, 4])
