@@ -282,3 +282,18 @@ def test_a_checkpoint_restores_the_owned_state_on_another_replica_count(
             )
             == 0
         )
+
+
+@pytest.mark.parametrize("replicas", [2, None], ids=["mirrored", "no_strategy"])
+def test_a_plain_keras_model_trains_sharded_by_variables(replicas, mirrored):
+    # keras.Model's own train_step calls `apply`; without a strategy there
+    # is one replica, which owns everything.
+    x, y = make_data(n=64)
+    results = []
+    for optimizer in (by_variables("adafactor"), lambda: OWNED["adafactor"](keras)):
+        scope = mirrored(replicas).scope() if replicas else contextlib.nullcontext()
+        with scope:
+            model = compile_model(mlp(), optimizer())
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        results.append(model.get_weights())
+    assert max_abs_diff(*results) < 1e-6
