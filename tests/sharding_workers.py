@@ -33,21 +33,19 @@ OWNED = {
 }
 
 
-def sharded_fit(names, accumulation_steps, micro_batch, epochs=2, save_to=None):
-    """ShardedOptimizer with DistributedModel on MultiWorkerMirroredStrategy.
-
-    Per optimizer: the weights, the iterations, the shape of a slot's local
-    slices and, with the gloo backend, the group's running count of
-    collectives by kind (`None` on TensorFlow's collectives).
-    """
-    cases = [(name, accumulation_steps, micro_batch, None) for name in names]
-    return dict(zip(names, sharded_cases(cases, epochs, save_to)))
-
-
 def sharded_cases(cases, epochs=2, save_to=None):
-    """`sharded_fit` per case `(name, accumulation_steps, micro_batch,
-    hook_config)` (`hook_config`: a serialized all-reduce hook or `None`),
-    one strategy for all; a list of results in the cases' order."""
+    """ShardedOptimizer with DistributedModel on MultiWorkerMirroredStrategy,
+    one strategy for all cases `(name, accumulation_steps, micro_batch,
+    hook_config)` (`name` a key of `INNER` or `OWNED`, `hook_config` a
+    serialized all-reduce hook or `None`); with `save_to`, each worker saves
+    each model as `<name>-<task>.keras` there.
+
+    Returns a list, in the cases' order, of each case's weights, iterations,
+    the shape of a slot's local slices, the variables whose state this
+    worker keeps when sharded by variables (`owned`), and, with the gloo
+    backend, the group's running count of collectives by kind (`None` on
+    TensorFlow's collectives).
+    """
     import keras
     import tensorflow as tf
     from helpers import (

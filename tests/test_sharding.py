@@ -23,7 +23,7 @@ from helpers import (
     max_abs_diff,
     mlp,
 )
-from sharding_workers import INNER
+from sharding_workers import INNER, OWNED
 
 import keras_dist
 from keras_dist.backup import store
@@ -350,29 +350,76 @@ def test_no_vector_of_the_whole_model_on_the_step(mirrored):
     assert largest_vector(SEGMENT_BYTES) < 195 <= largest_vector(None)
 
 
-@pytest.mark.multiworker
-def test_two_worker_processes_equal_unsharded():
-    names = ["adam", "adamw", "clipnorm"]
+# One launch of 2 worker processes for every 2-process case of the sharded
+# optimizer (a cluster start costs ~20 s of CPU here): elementwise ones
+# (stage 1), stage 2, and whole-variable ownership with its .keras files.
+TWO_WORKER_CASES = [
+    *((name, 1, 8, None) for name in ["adam", "adamw", "clipnorm"]),
+    ("sgd", 4, 2, None),
+    *((name, 1, 8, None) for name in sorted(OWNED)),
+]
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """`(results by case name per worker, the folder of their .keras files)`."""
+    folder = tmp_path_factory.mktemp("two_workers")
     results = run_workers(
-        sharding_workers.sharded_fit, num_workers=2, args=(names, 1, 8), timeout=400
+        sharding_workers.sharded_cases,
+        num_workers=2,
+        args=(TWO_WORKER_CASES,),
+        kwargs={"save_to": str(folder)},
+        timeout=600,
     )
-    stage2 = run_workers(
-        sharding_workers.sharded_fit, num_workers=2, args=(["sgd"], 4, 2), timeout=400
-    )
+    names = [case[0] for case in TWO_WORKER_CASES]
+    return [dict(zip(names, worker)) for worker in results], folder
+
+
+def reference_of(name, inner):
     x, y = make_data()
-    for name, got in [
-        *((n, [r[n] for r in results]) for n in names),
-        ("sgd", [r["sgd"] for r in stage2]),
-    ]:
-        reference = compile_model(mlp(keras_dist.DistributedModel), INNER[name](keras))
-        reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-        for worker in got:
-            assert max_abs_diff(reference.get_weights(), worker["weights"]) < 1e-6, name
+    reference = compile_model(mlp(keras_dist.DistributedModel), inner[name](keras))
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return reference
+
+
+@pytest.mark.multiworker
+def test_two_worker_processes_equal_unsharded(two_workers):
+    results, _ = two_workers
+    for name in ["adam", "adamw", "clipnorm", "sgd"]:
+        reference = reference_of(name, INNER)
+        for worker in results:
+            got = worker[name]
+            assert max_abs_diff(reference.get_weights(), got["weights"]) < 1e-6, name
             # Each worker's one replica holds half of each slot.
             parameters = sum(
                 int(np.prod(v.shape)) for v in reference.trainable_variables
             )
-            assert worker["slot_shape"] == [(-(-parameters // 2),)]
+            assert got["slot_shape"] == [(-(-parameters // 2),)]
+
+
+@pytest.mark.multiworker
+def test_two_worker_processes_shard_whole_variables_as_unsharded(two_workers):
+    # Adafactor, Lamb and Muon (tests/test_sharding_ownership.py has the
+    # rest of their checks; this launch is shared).
+    results, folder = two_workers
+    for name in sorted(OWNED):
+        reference = reference_of(name, OWNED)
+        for worker in results:
+            got = worker[name]
+            tolerance = 5e-6 if name == "muon" else 1e-6
+            assert max_abs_diff(reference.get_weights(), got["weights"]) < tolerance
+        # Each worker keeps the state of its replica's variables only.
+        assert [r[name]["owned"] for r in results] == [[0], [1, 2, 3]]
+        # Each worker's .keras file holds every variable's state, the other
+        # worker's share gathered: the two files are the same.
+        states = [
+            keras.saving.load_model(folder / f"{name}-{task}.keras").optimizer._owned
+            for task in (0, 1)
+        ]
+        for index in range(len(states[0].variables)):
+            first, second = ([v.numpy() for v in s.slots(index)] for s in states)
+            assert max_abs_diff(first, second) == 0
+            assert any(np.any(v != 0) for v in first), (name, index)
 
 
 # --- Refusals and configuration ---
