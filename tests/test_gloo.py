@@ -138,6 +138,8 @@ def test_the_sharded_optimizer_through_gloo_equals_tensorflow_collectives():
         ("clipnorm", 1, 8, None),
         ("adamw", 1, 8, keras.saving.serialize_keras_object(FP16())),
         ("sgd", 4, 2, None),
+        # Sharded by whole variables (Lamb is not elementwise).
+        ("lamb", 1, 8, None),
     ]
     with_gloo = run_workers(
         sharding_workers.sharded_cases,
@@ -179,6 +181,9 @@ def test_the_sharded_optimizer_through_gloo_equals_tensorflow_collectives():
     micro_steps = 2 * 64 // 4
     assert counts[3]["all_to_all"] == segments * micro_steps
     assert counts[3].get("all_gather", 0) == 0
+    # By whole variables: one reduce-scatter of the blocks and one
+    # all-gather per step.
+    assert counts[4] == {"all_to_all": steps, "all_gather": steps, "all_reduce": steps}
 
 
 def test_the_backend_is_chosen_by_name(monkeypatch):
