@@ -24,7 +24,7 @@ import tensorflow as tf
 from keras_dist._compat import keras_src as _compat
 from keras_dist._compat import tf_internal
 from keras_dist._shards import apply_as_decided
-from keras_dist.core import aggregation, collectives, sharding, topology
+from keras_dist.core import collectives, sharding, topology
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +66,14 @@ class Owned:
             _compat.track_checkpoint_dependency(
                 owner, f"owned_state_{index}", optimizer
             )
-        if topology.count_workers(self.strategy) > 1:
+        workers = topology.count_workers(self.strategy)
+        if workers > 1:
             logger.warning(
                 "keras_dist: ShardedOptimizer(shard_by='variables') on %d "
                 "workers: a tf.train.Checkpoint written by one worker holds "
                 "the optimizer state of that worker's variables only. Save "
                 "with model.save(...) (a .keras file holds every worker's).",
-                topology.count_workers(self.strategy),
+                workers,
             )
 
     # --- The step (replica context) ----------------------------------------
@@ -294,13 +295,7 @@ def apply_owned(sharded, grads, hook, batch_size, non_finite, log_skips, active)
     owned = sharded._owned
     base = sharded._base
     scaler = sharded._loss_scaler
-    if batch_size is not None:
-        weighted = iter(
-            aggregation.weight_by_batch_share(
-                [g for g in grads if g is not None], batch_size
-            )
-        )
-        grads = [None if g is None else next(weighted) for g in grads]
+    grads = sharded._shards.weighted(grads, batch_size)
     dtype = tf.as_dtype(owned.variables[0].dtype)
     block = sharded._shards.reduce(
         owned.layout.segment_flats(sharded._shards.dense(grads), dtype), hook
@@ -310,14 +305,7 @@ def apply_owned(sharded, grads, hook, batch_size, non_finite, log_skips, active)
         for i, g in enumerate(grads)
         if isinstance(g, tf.IndexedSlices)
     }
-    if rows and (base.clipnorm or base.global_clipnorm):
-        raise ValueError(
-            "ShardedOptimizer cannot clip by norm where gradients are sparse: "
-            f"{[owned.variables[i].path for i in rows]} get an Embedding's "
-            "rows, whose norm Keras counts per occurrence of a row. Received: "
-            f"inner optimizer with clipnorm={base.clipnorm}, global_clipnorm="
-            f"{base.global_clipnorm}. Use `clipvalue`, or train unsharded."
-        )
+    sharded._shards.refuse_norm_clipping(rows)
     keys = sorted(rows)
     values = [rows[i].values for i in keys]
     # Unscale, then clip (in the owners' update), as Keras's `apply` does.

@@ -70,10 +70,19 @@ def check_inner(inner, shard_by="elements") -> str:
         )
     if shard_by == "variables":
         return shard_by
+    refusal = _not_elementwise(base)
     if shard_by == "auto":
-        return "elements" if _is_elementwise(base) else "variables"
+        return "elements" if refusal is None else "variables"
+    if refusal is not None:
+        raise ValueError(refusal)
+    return "elements"
+
+
+def _not_elementwise(base) -> str | None:
+    """Why `base`'s update of a slice could differ from its update of the
+    whole variables (the refusal of `shard_by="elements"`), or `None`."""
     if not isinstance(base, ELEMENTWISE):
-        raise ValueError(
+        return (
             f"ShardedOptimizer needs an optimizer whose update of an element "
             f"uses that element only; {type(base).__name__} needs a whole "
             "variable (factored moments, a per-variable trust ratio or "
@@ -82,28 +91,20 @@ def check_inner(inner, shard_by="elements") -> str:
             f"{[cls.__name__ for cls in ELEMENTWISE]}, or shard it by whole "
             "variables: `shard_by='variables'` (or 'auto')."
         )
-    if type(base) not in ELEMENTWISE and not getattr(type(base), "elementwise", False):
-        known = next(c for c in type(base).__mro__ if c in ELEMENTWISE)
-        replaced = _compat.update_rule_overridden(type(base), known)
-        if replaced:
-            raise ValueError(
-                f"ShardedOptimizer cannot tell whether {type(base).__name__} "
-                f"updates an element from that element alone: it is a "
-                f"{known.__name__} with its own {' and '.join(replaced)}, "
-                "which may read a whole variable (a norm, a trust ratio, as "
-                "LARS does) and would then differ on a slice. Received: "
-                f"inner_optimizer={type(base).__name__}. If its update is "
-                "elementwise, say so with the class attribute "
-                "`elementwise = True`; otherwise shard it by whole variables: "
-                "`shard_by='variables'` (or 'auto')."
-            )
-    return "elements"
-
-
-def _is_elementwise(base) -> bool:
-    if not isinstance(base, ELEMENTWISE):
-        return False
     if type(base) in ELEMENTWISE or getattr(type(base), "elementwise", False):
-        return True
+        return None
     known = next(c for c in type(base).__mro__ if c in ELEMENTWISE)
-    return not _compat.update_rule_overridden(type(base), known)
+    replaced = _compat.update_rule_overridden(type(base), known)
+    if not replaced:
+        return None
+    return (
+        f"ShardedOptimizer cannot tell whether {type(base).__name__} "
+        f"updates an element from that element alone: it is a "
+        f"{known.__name__} with its own {' and '.join(replaced)}, "
+        "which may read a whole variable (a norm, a trust ratio, as "
+        "LARS does) and would then differ on a slice. Received: "
+        f"inner_optimizer={type(base).__name__}. If its update is "
+        "elementwise, say so with the class attribute "
+        "`elementwise = True`; otherwise shard it by whole variables: "
+        "`shard_by='variables'` (or 'auto')."
+    )

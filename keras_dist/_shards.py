@@ -138,9 +138,22 @@ class Shards:
             return decay
         return self.layout.local(self.layout.element_mask(decay), replica)
 
-    def clipped(self, local, replica, rows=None):
-        """The inner optimizer's clipping, on the summed gradient's slices
-        (and the values of sparse rows, which only `clipvalue` may clip)."""
+    def weighted(self, grads, batch_size) -> list:
+        """`grads` (`None` where absent) weighted by this replica's share of
+        the global batch (`aggregation.weight_by_batch_share`); as they are
+        when `batch_size` is `None`."""
+        if batch_size is None:
+            return list(grads)
+        weighted = iter(
+            aggregation.weight_by_batch_share(
+                [g for g in grads if g is not None], batch_size
+            )
+        )
+        return [None if g is None else next(weighted) for g in grads]
+
+    def refuse_norm_clipping(self, rows) -> None:
+        """Raises when the inner optimizer clips by norm and some gradients
+        are sparse (`rows`: variable index -> `tf.IndexedSlices`)."""
         base = self._base
         if rows and (base.clipnorm or base.global_clipnorm):
             names = [self.variables[i].path for i in rows]
@@ -153,6 +166,12 @@ class Shards:
                 "unsharded (GradientAccumulationOptimizer or the model's "
                 "own aggregation clip these exactly)."
             )
+
+    def clipped(self, local, replica, rows=None):
+        """The inner optimizer's clipping, on the summed gradient's slices
+        (and the values of sparse rows, which only `clipvalue` may clip)."""
+        base = self._base
+        self.refuse_norm_clipping(rows)
         if base.clipvalue:
             local = tf.clip_by_value(local, -base.clipvalue, base.clipvalue)
         if base.clipnorm:

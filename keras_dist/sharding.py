@@ -15,7 +15,6 @@ from keras_dist._validation import check_int
 from keras_dist._wrapper import InnerOptimizerWrapper, check_base_kwargs
 from keras_dist.core import (
     accumulation,
-    aggregation,
     casts,
     collectives,
     sharding,
@@ -461,12 +460,7 @@ class ShardedOptimizer(InnerOptimizerWrapper):
             )
             return
         if self._accumulation_steps == 1:
-            if batch_size is not None:
-                weighted = aggregation.weight_by_batch_share(
-                    [g for g in grads if g is not None], batch_size
-                )
-                weighted = iter(weighted)
-                grads = [None if g is None else next(weighted) for g in grads]
+            grads = shards.weighted(grads, batch_size)
             local = self._shards.reduce(
                 shards.layout.segment_flats(shards.dense(grads), self._slice.dtype),
                 hook,

@@ -267,3 +267,19 @@ def test_a_plain_keras_model_trains_sharded_by_variables(replicas, mirrored):
         model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
         results.append(model.get_weights())
     assert max_abs_diff(*results) < 1e-6
+
+
+def test_clipping_an_embeddings_rows_by_norm_is_refused(mirrored):
+    # Keras counts a repeated row's norm per occurrence; the owner gets the
+    # rows as they are, so norm clipping is refused by name (clipvalue acts).
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((4,), dtype="int32")
+    rows = keras.layers.Flatten()(keras.layers.Embedding(20, 8)(inputs))
+    with mirrored(2).scope():
+        model = compile_model(
+            keras_dist.DistributedModel(inputs, keras.layers.Dense(3)(rows)),
+            keras_dist.ShardedOptimizer(keras.optimizers.Lamb(global_clipnorm=1.0)),
+        )
+    ids = np.random.default_rng(0).integers(0, 20, size=(32, 4))
+    with pytest.raises(ValueError, match=r"cannot clip by norm.*embedding"):
+        model.fit(ids, ids[:, 0] % 3, batch_size=16, epochs=1, verbose=0)
