@@ -12,7 +12,7 @@ CHECKSUM := $(shell cat setup.cfg pyproject.toml | cksum | cut -d' ' -f1)
 DEMO_STAMP := $(VENV)/.installed-demo-$(CHECKSUM)
 TEST_STAMP := $(VENV)/.installed-test-$(CHECKSUM)
 
-.PHONY: demo test lint format docs docs-serve clean
+.PHONY: demo test test-all lint format docs docs-serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test: $(TEST_STAMP)
 	$(BIN)/ruff check keras_dist tests examples benchmarks
 	$(BIN)/ruff format --check keras_dist tests examples benchmarks
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The whole suite: `make test` and the tests marked `extended` (longer soaks,
+# further fault scenarios and backends; CONTRIBUTING.md, "Two tiers").
+test-all: $(TEST_STAMP)
+	$(MAKE) test PYTEST_ARGS="--extended $(PYTEST_ARGS)"
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check keras_dist tests examples benchmarks

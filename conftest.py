@@ -116,7 +116,25 @@ def pytest_collect_file(file_path, parent):
     return None
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--extended",
+        action="store_true",
+        default=False,
+        help="also run the tests marked `extended` (`make test-all`); "
+        "without it they are deselected",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
+    # The tiers (CONTRIBUTING.md, "Two tiers"): `make test` (CI, the README's
+    # command) runs everything but `extended`; `make test-all` adds it.
+    # Deselected, not skipped: pytest's summary counts them as deselected.
+    if not config.getoption("extended"):
+        left_out = [item for item in items if "extended" in item.keywords]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if "extended" not in item.keywords]
     # A block that starts worker processes is a multi-worker test like any
     # other: `-m "not multiworker"` skips it too.
     for item in items:

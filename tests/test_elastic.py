@@ -278,7 +278,15 @@ COMPRESSED = {
 }
 
 
-@pytest.mark.parametrize("hook", sorted(COMPRESSED))
+@pytest.mark.parametrize(
+    "hook",
+    [
+        pytest.param(
+            hook, marks=[pytest.mark.extended] if hook in ("dgc", "topk") else []
+        )
+        for hook in sorted(COMPRESSED)
+    ],
+)
 def test_compressed_training_resumes_on_fewer_replicas(
     mirrored, tmp_path, reference, hook
 ):

@@ -102,6 +102,7 @@ def test_a_lost_worker_resumes_on_the_workers_left_exactly(
     assert summary["accumulation_steps"] == steps
 
 
+@pytest.mark.extended
 def test_a_larger_launch_resumes_a_smaller_jobs_backup_exactly(tmp_path, reference):
     # 2 workers (accumulation 6) crash in epoch 2; a new launch with 4
     # workers goes on with accumulation 3.

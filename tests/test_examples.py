@@ -64,6 +64,7 @@ def test_multi_worker_example_through_the_launcher():
     assert len(digests) == 1
 
 
+@pytest.mark.extended
 def test_elastic_example_loses_a_worker_and_goes_on_with_two(tmp_path):
     # The fault-tolerance guide's command: 3 workers, the last one's machine
     # is lost in epoch 2, the job goes on with 2 from the backup, holding
@@ -232,6 +233,7 @@ def test_sharded_example_keeps_half_of_adams_state_per_replica():
 
 
 @pytest.mark.multiworker
+@pytest.mark.extended
 def test_sharded_example_through_the_launcher():
     # auto_strategy() builds the cluster from the launcher's TF_CONFIG; the
     # one-process --cpu-replicas is then ignored, with a note.

@@ -145,6 +145,7 @@ def test_kill_inside_a_save_then_sigterm_resume_exactly(tmp_path, references):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.extended
 def test_kill_inside_a_background_write_resumes_exactly(tmp_path, references):
     # `async_write=True`: the chief's 2nd backup is written on its writer
     # thread while training goes on, and the process is SIGKILLed there
@@ -191,6 +192,7 @@ def test_sigkill_mid_accumulation_powersgd_resumes_exactly(tmp_path, references)
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.extended
 def test_sigkill_inside_a_diloco_window_resumes_exactly(tmp_path, references):
     # 6 updates an epoch, a sync every 5: the backup after batch 4 is 2
     # updates into the first window, the kill after batch 7 in its middle
@@ -207,6 +209,7 @@ def test_sigkill_inside_a_diloco_window_resumes_exactly(tmp_path, references):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.extended
 def test_tensorflow_collectives_sigkill_resumes_exactly_as_the_default(
     tmp_path, references
 ):
@@ -236,6 +239,7 @@ def test_tensorflow_collectives_sigkill_resumes_exactly_as_the_default(
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.extended
 def test_sigkill_after_autoscale_grew_the_batch_resumes_exactly(tmp_path, references):
     grown = summary(references / "autoscale")
     # The adaptive batch grew during the reference run (2 -> more).
@@ -294,7 +298,9 @@ def test_stopped_peer_fails_the_survivor_long_before_the_timeout(tmp_path):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["tensorflow", "auto"])
+@pytest.mark.parametrize(
+    "backend", [pytest.param("tensorflow", marks=pytest.mark.extended), "auto"]
+)
 def test_stopped_first_worker_is_named_by_the_survivor(tmp_path, backend):
     # Worker 0 hosts TensorFlow's coordination service: when it is frozen,
     # worker 1's own heartbeats to the service time out, and TensorFlow's
@@ -316,6 +322,7 @@ def test_stopped_first_worker_is_named_by_the_survivor(tmp_path, backend):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.extended
 def test_stock_backup_and_checkpoint_write_on_the_chief_only(tmp_path):
     status, output, _ = launch(tmp_path, "--stock")
     assert status == 0, output[-3000:]
@@ -331,7 +338,9 @@ def test_stock_backup_and_checkpoint_write_on_the_chief_only(tmp_path):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["tensorflow", "gloo"])
+@pytest.mark.parametrize(
+    "backend", ["tensorflow", pytest.param("gloo", marks=pytest.mark.extended)]
+)
 def test_peer_killed_during_all_reduce_is_named(tmp_path, backend):
     # Without the launcher (which would stop the survivor at once): worker 1
     # SIGKILLs itself after 3 batches; worker 0 fails at its next
@@ -480,7 +489,7 @@ PIPELINES = {
 }
 
 
-@pytest.fixture(params=["disk", "ram"])
+@pytest.fixture
 def backup_dir(request, tmp_path):
     """Where the interrupted run's backups go: a local folder, or `ram://`
     (TensorFlow's in-memory file system, written like an object store)."""
@@ -492,16 +501,37 @@ def backup_dir(request, tmp_path):
     _files.rmtree(root)
 
 
+# Each case on one store in `make test` (so that each store sees both
+# pipelines, both hooks and both write modes), and on the other store in
+# `make test-all`.
+RESUME_CASES = [
+    ("disk", "epochs", "fp16", 11, 1, False),
+    ("ram", "epochs", "powersgd", 8, 1, False),
+    ("ram", "stream", "fp16", 11, 1, False),
+    ("disk", "stream", "powersgd", 5, 2, False),
+    ("ram", "epochs", "fp16", 11, 1, True),
+    ("disk", "stream", "powersgd", 5, 2, True),
+]
+OTHER_STORE = {"disk": "ram", "ram": "disk"}
+
+
+def _resume_params():
+    for store, *case in RESUME_CASES:
+        yield pytest.param(store, *case)
+        yield pytest.param(OTHER_STORE[store], *case, marks=pytest.mark.extended)
+
+
 @pytest.mark.parametrize(
-    ("pipeline", "hook", "crash_at", "steps_per_execution", "async_write"),
-    [
-        ("epochs", "fp16", 11, 1, False),
-        ("epochs", "powersgd", 8, 1, False),
-        ("stream", "fp16", 11, 1, False),
-        ("stream", "powersgd", 5, 2, False),
-        ("epochs", "fp16", 11, 1, True),
-        ("stream", "powersgd", 5, 2, True),
-    ],
+    (
+        "backup_dir",
+        "pipeline",
+        "hook",
+        "crash_at",
+        "steps_per_execution",
+        "async_write",
+    ),
+    list(_resume_params()),
+    indirect=["backup_dir"],
 )
 def test_resume_is_exact_on_replicas(
     mirrored,

@@ -322,7 +322,15 @@ def test_a_sum_buffer_is_reused_only_when_no_one_else_holds_it():
 
 @pytest.mark.multiworker
 @pytest.mark.parametrize(
-    "how", ["kill", "hang", "stop", "stop_first", "kill_half", "stop_half"]
+    "how",
+    [
+        "kill",
+        "hang",
+        pytest.param("stop", marks=pytest.mark.extended),
+        "stop_first",
+        pytest.param("kill_half", marks=pytest.mark.extended),
+        pytest.param("stop_half", marks=pytest.mark.extended),
+    ],
 )
 def test_a_lost_peer_fails_the_gloo_sum(how):
     """Worker 1 stops between two sums. SIGKILLed: worker 0's next gloo sum

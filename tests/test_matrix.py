@@ -60,7 +60,9 @@ def test_case(case):
 @pytest.mark.slow
 # Both collective backends of CPU workers: `auto` is gloo where PyTorch is
 # installed (here), TensorFlow's collectives what a plain install gets.
-@pytest.mark.parametrize("backend", ["auto", "tensorflow"])
+@pytest.mark.parametrize(
+    "backend", ["auto", pytest.param("tensorflow", marks=pytest.mark.extended)]
+)
 def test_multi_worker_sample(tmp_path, backend):
     sample = cases.multi_worker_sample()
     results = keras_dist.testing.run_workers(

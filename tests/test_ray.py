@@ -131,6 +131,7 @@ def test_a_killed_ray_worker_resumes_from_the_backup(ray_address, one_device, tm
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.extended
 def test_an_elastic_group_shrinks_when_a_node_goes(
     three_node_cluster, one_device, tmp_path
 ):

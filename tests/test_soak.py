@@ -210,6 +210,7 @@ def test_long_fits_under_the_launcher_keep_threads_files_and_memory_flat(
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.extended
 def test_long_fit_with_the_gloo_backend_stays_flat(tmp_path):
     pytest.importorskip("torch", reason="the gloo backend needs PyTorch")
     phases = [("plain", 5000)]
@@ -219,6 +220,7 @@ def test_long_fit_with_the_gloo_backend_stays_flat(tmp_path):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.extended
 def test_long_fit_under_parameter_servers_stays_flat(tmp_path):
     # The chief coordinates; the workers and the ps task serve, and are
     # sampled all the same (their phase label stays "start").
