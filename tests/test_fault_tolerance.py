@@ -280,6 +280,7 @@ def test_hung_peer_fails_the_survivor_within_the_collective_timeout(tmp_path):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.extended
 def test_stopped_peer_fails_the_survivor_long_before_the_timeout(tmp_path):
     # Worker 1 is SIGSTOPped after 3 batches: frozen, its heartbeats too.
     # TensorFlow's coordination service misses them and aborts the

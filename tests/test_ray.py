@@ -86,6 +86,7 @@ def test_two_ray_workers_train_the_readme_script(ray_address, one_device, tmp_pa
     )
 
 
+@pytest.mark.extended
 def test_a_killed_ray_worker_resumes_from_the_backup(ray_address, one_device, tmp_path):
     """FailureConfig(max_failures=1) + BackupAndRestore: SIGKILL in epoch 2.
 
