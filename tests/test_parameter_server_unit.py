@@ -12,7 +12,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import parameter_server_strategy
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
-from keras_dist._compat import keras_src as _compat
+from keras_dist._compat import parameter_servers as _compat
 from keras_dist.trainer import steps
 
 

@@ -41,6 +41,7 @@ LAYERS = [
         "Keras 3 foundations",
         [
             "keras_dist._compat.keras_src",
+            "keras_dist._compat.parameter_servers",
             "keras_dist._registration",
             "keras_dist.compression",
             "keras_dist._apply",

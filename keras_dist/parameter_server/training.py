@@ -13,8 +13,8 @@ strategy's `tf.distribute.coordinator.ClusterCoordinator`, as tf_keras did:
   epoch's logs cover every worker's steps. Keras 3 updates variables by a
   read and a write (updates from two workers at once would be lost), so the
   step functions are traced with atomic updates
-  (`keras_src.parameter_server_tracing`, in effect for the tracing thread
-  only).
+  (`_compat.parameter_servers.parameter_server_tracing`, in effect for the
+  graphs being traced only).
 - **Evaluation and prediction** are exact: the coordinator reads the data
   and schedules one call per batch, with the batch as its argument; each
   batch is evaluated once, and predictions come back in input order.
@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dist._compat import keras_src as _compat
+from keras_dist._compat import parameter_servers as _ps_compat
 from keras_dist._compat import tf_internal
 from keras_dist._validation import check_int
 from keras_dist.core.plain import NoCompression
@@ -65,7 +66,7 @@ def coordinator(strategy) -> tf.distribute.coordinator.ClusterCoordinator:
 
 def num_workers(strategy) -> int:
     """Number of `worker` tasks of the strategy's cluster."""
-    return _compat.parameter_server_workers(strategy)
+    return _ps_compat.parameter_server_workers(strategy)
 
 
 _PS_TASK = re.compile(r"/job:ps/replica:\d+/task:(\d+)")
@@ -359,7 +360,7 @@ def _train_function(model, strategy):
         return functions["train"]
 
     def train_chunk(iterator, num_steps):
-        with _compat.parameter_server_tracing():
+        with _ps_compat.parameter_server_tracing():
             outputs = strategy.run(model.train_step, args=(next(iterator),))
             for _ in tf.range(num_steps - 1):
                 outputs = strategy.run(model.train_step, args=(next(iterator),))
@@ -376,7 +377,7 @@ def _batch_function(model, strategy, step, name):
         return functions[name]
 
     def on_batch(data):
-        with _compat.parameter_server_tracing():
+        with _ps_compat.parameter_server_tracing():
             outputs = strategy.run(step, args=(data,))
             if name == "predict":
                 return keras.tree.map_structure(

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from keras_dist import _apply
 from keras_dist._compat import keras_src as _compat
+from keras_dist._compat import parameter_servers as _ps_compat
 from keras_dist.core import aggregation
 from keras_dist.core.hooks import AllReduceHook
 from keras_dist.core.plain import NoCompression
@@ -200,7 +201,7 @@ def _gradients(tape, loss, variables):
     gradients of its shards joined along axis 0: an `IndexedSlices` when
     every shard's is one (embeddings), else a dense tensor.
     """
-    shards = [_compat.variable_shards(variable) for variable in variables]
+    shards = [_ps_compat.variable_shards(variable) for variable in variables]
     if not any(shards):
         return tape.gradient(loss, variables)
     sources = [[v] if parts is None else parts for v, parts in zip(variables, shards)]
