@@ -281,9 +281,7 @@ COMPRESSED = {
 @pytest.mark.parametrize(
     "hook",
     [
-        pytest.param(
-            hook, marks=[pytest.mark.extended] if hook in ("dgc", "topk") else []
-        )
+        pytest.param(hook, marks=[pytest.mark.extended] if hook != "powersgd" else [])
         for hook in sorted(COMPRESSED)
     ],
 )

@@ -154,6 +154,7 @@ def test_custom_training_loop_example_matches_one_device():
     assert "(8 steps, 4 updates so far" in out
 
 
+@pytest.mark.extended
 def test_mixed_precision_example_wires_loss_scaling_inside_accumulation():
     out = run([os.path.join(EXAMPLES, "mixed_precision.py"), "--smoke"])
     assert (
@@ -172,6 +173,7 @@ def test_mixed_precision_example_wires_loss_scaling_inside_accumulation():
         assert 0 < loss < 2.5, row  # finite, and below log(10) = 2.30 + noise
 
 
+@pytest.mark.extended
 def test_memory_growth_example_explains_no_gpu_and_too_late():
     import tensorflow as tf
 
@@ -194,6 +196,7 @@ def test_memory_growth_example_explains_no_gpu_and_too_late():
     assert "per-replica batch 57 (global 114)" in out
 
 
+@pytest.mark.extended
 def test_custom_hook_example_compresses_and_error_feedback_converges():
     out = run([os.path.join(EXAMPLES, "custom_hook.py"), "--smoke"])
     assert "compression_ratio: 3.98" in out  # in fit's logs

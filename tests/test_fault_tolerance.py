@@ -116,6 +116,7 @@ def references(tmp_path_factory):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.extended
 def test_kill_inside_a_save_then_sigterm_resume_exactly(tmp_path, references):
     # Attempt 0: the chief is SIGKILLed inside its 2nd backup (state file
     # written, not switched to): attempt 1 resumes from the 1st. Attempt 1:

@@ -17,12 +17,14 @@ import checks
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("test_id", checks.cases("callbacks"))
 def test_keras_callbacks_tests_pass_with_distributed_model(test_id):
     checks.check("callbacks", test_id)
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("test_id", checks.cases("saving"))
 def test_keras_saving_tests_pass_with_distributed_model(test_id):
     checks.check("saving", test_id)

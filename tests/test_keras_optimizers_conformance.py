@@ -19,6 +19,7 @@ import checks
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("test_id", checks.cases("optimizers"))
 def test_keras_optimizer_tests_pass_with_gradient_accumulation(test_id):
     checks.check("optimizers", test_id)

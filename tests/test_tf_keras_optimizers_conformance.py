@@ -18,6 +18,7 @@ import checks
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("test_id", checks.cases("tf_keras-optimizers"))
 def test_tf_keras_optimizer_tests_pass_with_distributed_optimizer(test_id):
     checks.check("tf_keras-optimizers", test_id)
