@@ -491,7 +491,11 @@ def _environment_without_tf_log_settings():
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("switch", [[], ["--tf-logs"]], ids=["default", "tf-logs"])
+@pytest.mark.parametrize(
+    "switch",
+    [[], pytest.param(["--tf-logs"], marks=pytest.mark.extended)],
+    ids=["default", "tf-logs"],
+)
 def test_two_worker_readme_example_prints_tensorflow_logs_only_when_asked(
     tmp_path, switch
 ):

@@ -418,6 +418,7 @@ def test_workers_that_disagree_on_the_backend_are_told_at_start_up():
 
 
 @pytest.mark.multiworker
+@pytest.mark.extended
 def test_by_default_cpu_workers_sum_through_gloo_and_say_so():
     """No variable set, PyTorch installed: a 2-worker fit's sums go through
     gloo, equal to the same fit with TensorFlow's collectives, and the chief
