@@ -170,6 +170,7 @@ def test_kill_inside_a_background_write_resumes_exactly(tmp_path, references):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.extended
 def test_sigkill_mid_accumulation_powersgd_resumes_exactly(tmp_path, references):
     # Backups every 4 batches; the kill after batch 7 is between two of them
     # and in the middle of an accumulation cycle (7 is odd).
