@@ -182,6 +182,20 @@ class Owned:
                     slot.assign(np.asarray(store[str(key + offset)]))
             key += count
 
+    # --- The training state's inventory ------------------------------------
+
+    def state_handles(self) -> list:
+        """`(name, OwnedSlot)` for every variable's optimizer state, in the
+        variables' order (each variable's state in its optimizer's order):
+        the same list on every worker and on any replica count."""
+        handles = []
+        for index, variable in enumerate(self.variables):
+            path = getattr(variable, "path", variable.name)
+            for position, (shape, dtype) in enumerate(self._state_specs(index)):
+                slot = OwnedSlot(self, index, position, shape, dtype)
+                handles.append((f"owned/{path}/{position}", slot))
+        return handles
+
     def _state_specs(self, index: int) -> list:
         if index in self.optimizers:
             return [(tuple(v.shape), v.dtype) for v in self.slots(index)]
@@ -216,6 +230,43 @@ class Owned:
             summed = collectives.reduce_across(strategy, per_replica, "sum")
             values.append(np.asarray(summed))
         return values
+
+
+class OwnedSlot:
+    """One optimizer variable of one owned variable, as the inventory
+    holds it (`keras_dist.core.inventory.OWNED`).
+
+    The owner replica keeps it; this process has it when one of its
+    replicas is the owner (`local`). The owner on another replica count is
+    whoever the layout of that count names: a value saved whole is assigned
+    where it lives now.
+    """
+
+    def __init__(self, owned: Owned, index: int, position: int, shape, dtype):
+        self._owned = owned
+        self.index = index
+        self.position = position
+        self.shape = tf.TensorShape(shape)
+        self.dtype = tf.as_dtype(dtype)
+
+    @property
+    def owner(self) -> int:
+        """The id of the replica that holds it."""
+        return int(self._owned.layout.owners[self.index])
+
+    @property
+    def local(self) -> bool:
+        """Whether a replica of this process holds it."""
+        return self.index in self._owned.optimizers
+
+    def read(self):
+        """Its value now, a tensor (only where `local`)."""
+        return tf.identity(self._owned.slots(self.index)[self.position].value)
+
+    def assign(self, value) -> None:
+        """Sets its value where this process holds it; elsewhere nothing."""
+        if self.local:
+            self._owned.slots(self.index)[self.position].assign(np.asarray(value))
 
 
 def _state_of(optimizer) -> list:

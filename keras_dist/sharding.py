@@ -349,20 +349,14 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         return "variables" if self._by_variables else "elements"
 
     @property
-    def state_not_in_inventory(self):
-        """Why the training state's inventory cannot hold this optimizer's
-        state (`None` when it can): sharded by whole variables, each owner's
-        state is kept outside the strategy's variables."""
-        if not self._by_variables:
-            return None
-        return (
-            "BackupAndRestore and the training state's inventory do not yet "
-            "hold the optimizer state of ShardedOptimizer(shard_by='variables') "
-            f"(received: inner_optimizer={type(self._base).__name__}): a "
-            "backup would resume with fresh optimizer state. Save with "
-            "`model.save(...)` or `keras.callbacks.ModelCheckpoint` (`.keras` "
-            "files hold it, on any replica count), or shard by elements."
-        )
+    def owned_state(self) -> list:
+        """`(name, handle)` of the optimizer state each replica owns, for
+        the training state's inventory (`inventory.OWNED` entries); empty
+        unless sharded by whole variables."""
+        owned = getattr(self, "_owned", None)
+        if not self.built or owned is None:
+            return []
+        return owned.state_handles()
 
     # --- Update ---------------------------------------------------------------
 

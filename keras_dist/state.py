@@ -100,9 +100,6 @@ def training_state(model) -> inventory_lib.StateInventory:
     local = {}
     for nested in nested_optimizers(optimizer):
         local.update(getattr(nested, "local_rules", {}))
-        missing = getattr(nested, "state_not_in_inventory", None)
-        if missing:
-            raise ValueError(missing)
     _add(state, "model", model.variables, local=local)
     if optimizer is not None:
         # A sharded optimizer's slices are pieces of one vector.
@@ -110,6 +107,10 @@ def training_state(model) -> inventory_lib.StateInventory:
         for nested in nested_optimizers(optimizer):
             shards.update(getattr(nested, "shard_rules", {}))
         _add(state, "optimizer", optimizer.variables, shards, local=local)
+        # Sharded by whole variables: each variable's state on its owner.
+        for nested in nested_optimizers(optimizer):
+            for name, handle in getattr(nested, "owned_state", ()):
+                state.add("optimizer", handle, name, placement=inventory_lib.OWNED)
         for hook in hooks:
             if hook is not None and hook.built:
                 for name, variable in zip(hook.state_names, hook.state_variables):

@@ -9,7 +9,10 @@ accumulation:
 - `stage2`: `ShardedOptimizer(Adam, accumulation_steps=2)` (micro-step
   gradients reduce-scattered into slice accumulators);
 - `stage1`: `GradientAccumulationOptimizer(ShardedOptimizer(Adam), 2)`
-  (full-size local accumulators, sharded update).
+  (full-size local accumulators, sharded update);
+- `owned`: `GradientAccumulationOptimizer(ShardedOptimizer(Adam,
+  shard_by="variables"), 2)` (each worker keeps its own variables' Adam
+  state, outside the strategy's variables).
 
 The chief writes its final weights and a summary to OUT/CONFIG. Several
 `--config`s train one after the other in the same processes (the
@@ -36,7 +39,7 @@ GLOBAL_BATCH = 16
 EPOCHS = 3
 ACCUMULATION = 2
 SAVE_FREQ = 4
-CONFIGS = ("stage2", "stage1")
+CONFIGS = ("stage2", "stage1", "owned")
 
 
 def data():
@@ -65,8 +68,9 @@ def build(config, sharded=True):
     elif config == "stage2":
         optimizer = keras_dist.ShardedOptimizer(adam, accumulation_steps=ACCUMULATION)
     else:
+        shard_by = "variables" if config == "owned" else "elements"
         optimizer = keras_dist.GradientAccumulationOptimizer(
-            keras_dist.ShardedOptimizer(adam), ACCUMULATION
+            keras_dist.ShardedOptimizer(adam, shard_by=shard_by), ACCUMULATION
         )
     model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
     return model
@@ -131,7 +135,6 @@ def train(strategy, config, out, backup, kills):
         for o in (model.optimizer, getattr(model.optimizer, "inner_optimizer", None))
         if isinstance(o, keras_dist.ShardedOptimizer)
     )
-    slot = sharded.inner_optimizer.variables[-1]
     out = os.path.join(out, config)
     os.makedirs(out, exist_ok=True)
     np.savez(
@@ -142,10 +145,16 @@ def train(strategy, config, out, backup, kills):
         "history": history.history,
         "iterations": int(model.optimizer.iterations.numpy()),
         "replicas": strategy.num_replicas_in_sync,
-        "slot_shape": [
-            list(c.shape) for c in strategy.experimental_local_results(slot.value)
-        ],
     }
+    if sharded.shard_by == "variables":
+        # The owners of the variables, and the shapes of this worker's state.
+        summary["owners"] = list(sharded._owned.layout.owners)
+        summary["owned_here"] = sorted(sharded._owned.optimizers)
+    else:
+        slot = sharded.inner_optimizer.variables[-1]
+        summary["slot_shape"] = [
+            list(c.shape) for c in strategy.experimental_local_results(slot.value)
+        ]
     with open(os.path.join(out, "summary.json"), "w") as handle:
         json.dump(summary, handle)
 

@@ -114,8 +114,9 @@ def test_a_bad_rule_for_a_per_replica_variable_is_refused(mirrored, rule):
     state = StateInventory()
     with pytest.raises(
         ValueError,
-        match=rf"`rule` must be one of .*'same' exactly for mirrored state\. "
-        rf"Received: rule='{rule}' for the per_replica variable hook/v\.",
+        match=rf"`rule` must be one of .*'same' exactly for mirrored state and "
+        rf"'owned' exactly for owned state\. Received: rule='{rule}' for the "
+        rf"per_replica variable hook/v\.",
     ):
         state.add("hook", variable, "v", rule=rule)
     assert len(state) == 0
@@ -135,8 +136,8 @@ def test_a_per_replica_rule_for_a_mirrored_variable_is_refused(mirrored, rule):
         StateInventory().add("model", variable, "w", rule=rule)
 
 
-def test_rules_are_the_documented_six():
-    assert RULES == ("same", "sum", "first", "mean", "shard", "exact")
+def test_rules_are_the_documented_seven():
+    assert RULES == ("same", "sum", "first", "mean", "shard", "exact", "owned")
 
 
 # --- Order, de-duplication, groups, providers ---------------------------------

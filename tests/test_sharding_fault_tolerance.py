@@ -5,7 +5,9 @@ with the uninterrupted run's weights (issue 28, "Resume").
 `tests/sharding_fault_worker.py` trains on 2 worker processes: one launch
 trains the uninterrupted references of both accumulation forms (stage 2:
 `ShardedOptimizer(Adam, accumulation_steps=2)`; stage 1:
-`GradientAccumulationOptimizer(ShardedOptimizer(Adam), 2)`); the others
+`GradientAccumulationOptimizer(ShardedOptimizer(Adam), 2)`; whole
+variables: the same with `shard_by="variables"`, each worker keeping its
+own variables' Adam state); the others
 SIGKILL worker 1 after its 7th batch, between two backups (every 4 batches)
 and in the middle of an accumulation cycle. The chief's final weights must
 equal the reference's to 1e-6 (the same arithmetic in the same order), and
@@ -47,7 +49,8 @@ def summary(folder):
 def references(tmp_path_factory):
     """The uninterrupted 2-worker runs of both configurations, one launch."""
     tmp = tmp_path_factory.mktemp("references")
-    status, output = launch(tmp, "--config", "stage2", "--config", "stage1")
+    configs = ("stage2", "stage1", "owned")
+    status, output = launch(tmp, *(a for c in configs for a in ("--config", c)))
     assert status == 0, output[-3000:]
     # Training ended normally: the backups were deleted.
     assert not os.path.exists(tmp / "b" / "stage2")
@@ -71,7 +74,9 @@ def one_device(config):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["stage2", "stage1"])
+@pytest.mark.parametrize(
+    "config", ["stage2", pytest.param("stage1", marks=pytest.mark.extended), "owned"]
+)
 def test_sigkill_mid_accumulation_resumes_sharded_adam_exactly(
     tmp_path, references, config
 ):
@@ -88,10 +93,18 @@ def test_sigkill_mid_accumulation_resumes_sharded_adam_exactly(
     resumed, uninterrupted = summary(got), summary(reference)
     updates = worker.EPOCHS * worker.EXAMPLES // worker.GLOBAL_BATCH
     assert resumed["iterations"] == uninterrupted["iterations"] == updates // 2
-    # Each worker's one replica kept half of Adam's slots.
-    parameters = sum(int(np.prod(w.shape)) for w in weights(got))
     assert resumed["replicas"] == 2
-    assert resumed["slot_shape"] == [[-(-parameters // 2)]]
+    if config == "owned":
+        # The kernels and biases went to both workers; the chief (replica
+        # 0) kept its own variables' state only.
+        assert sorted(set(resumed["owners"])) == [0, 1]
+        assert resumed["owned_here"] == [
+            i for i, owner in enumerate(resumed["owners"]) if owner == 0
+        ]
+    else:
+        # Each worker's one replica kept half of Adam's slots.
+        parameters = sum(int(np.prod(w.shape)) for w in weights(got))
+        assert resumed["slot_shape"] == [[-(-parameters // 2)]]
     for key, values in resumed["history"].items():
         assert values == pytest.approx(
             uninterrupted["history"][key][-len(values) :], rel=1e-6

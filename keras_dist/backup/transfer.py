@@ -7,7 +7,9 @@ local copies are gathered to every worker with one all-gather, so the chief
 alone can write the backup, and each replica gets its own copy back on
 restore. Restoring them as a sum split in equal shares (what a Keras
 checkpoint does) would change every compressed all-reduce after the
-restart.
+restart. Owned state (one replica holds it whole: the optimizer state under
+`ShardedOptimizer(..., shard_by="variables")`) is read where it lives; on
+several workers every replica's owned values travel in the same all-gather.
 """
 
 from __future__ import annotations
@@ -48,7 +50,14 @@ def snapshot_values(inventory, strategy) -> list:
     values: list = [None] * len(inventory)
     several_workers = strategy.num_replicas_in_sync != worker_layout(strategy)[1]
     local_parts = []  # (index, [array per local replica])
+    owned = []  # indices of owned entries, read from their owners
     for index, entry in enumerate(inventory):
+        if entry.owned:
+            if several_workers:
+                owned.append(index)
+            else:
+                values[index] = entry.variable.read()
+            continue
         if not entry.per_replica:
             values[index] = _read(entry.variable)
             continue
@@ -63,6 +72,37 @@ def snapshot_values(inventory, strategy) -> list:
             gather_per_replica([p for _, p in local_parts], strategy),
         ):
             values[index] = stacked
+    if owned:
+        for index, value in zip(owned, _gather_owned(inventory, owned, strategy)):
+            values[index] = value
+    return values
+
+
+def _gather_owned(inventory, indices, strategy) -> list[np.ndarray]:
+    """The owned entries' values from their owners, on every worker: each
+    replica's owned values as one buffer (padded to the longest), one
+    all-gather."""
+    base, local = worker_layout(strategy)
+    entries = [inventory.entries[i] for i in indices]
+    mine = [[] for _ in range(local)]
+    for entry in entries:
+        if base <= entry.variable.owner < base + local:
+            value = np.asarray(entry.variable.read().numpy())
+            mine[entry.variable.owner - base].append(value.tobytes())
+    buffers = [b"".join(parts) for parts in mine]
+    gathered = _gather_bytes(buffers, strategy)
+    offsets = [0] * len(gathered)
+    values = []
+    for entry in entries:
+        owner = entry.variable.owner
+        size = entry.dtype.size * int(np.prod(entry.shape, dtype=np.int64))
+        raw = gathered[owner][offsets[owner] : offsets[owner] + size]
+        offsets[owner] += size
+        values.append(
+            np.frombuffer(raw, dtype=entry.dtype.as_numpy_dtype)
+            .reshape(entry.shape)
+            .copy()
+        )
     return values
 
 
@@ -85,27 +125,14 @@ def _read(variable):
 def gather_per_replica(parts: list[list[np.ndarray]], strategy) -> list[np.ndarray]:
     """All-gathers per-replica arrays: returns one `[replicas, ...]` each."""
     replicas = strategy.num_replicas_in_sync
-    base, local = worker_layout(strategy)
+    _, local = worker_layout(strategy)
     if replicas == local:
         return [np.stack(arrays) for arrays in parts]
-    # One collective for everything: each replica's arrays as bytes, padded
-    # to whole float64 words (a gather moves bits; it does no arithmetic).
     buffers = [b"".join(arrays[j].tobytes() for arrays in parts) for j in range(local)]
-    size = len(buffers[0])
-    words = -(-size // 8)
-    local_words = [
-        np.frombuffer(buffer + b"\0" * (words * 8 - size), dtype=np.float64)
-        for buffer in buffers
-    ]
-
-    def value_fn(context):
-        return tf.constant(local_words[context.replica_id_in_sync_group - base])[None]
-
-    distributed = strategy.experimental_distribute_values_from_function(value_fn)
-    gathered = collectives.gather_across(strategy, distributed).numpy()
+    gathered = _gather_bytes(buffers, strategy, size=len(buffers[0]))
     result = [[] for _ in parts]
     for replica in range(replicas):
-        raw = gathered[replica].tobytes()[:size]
+        raw = gathered[replica]
         offset = 0
         for k, arrays in enumerate(parts):
             reference = arrays[0]
@@ -117,6 +144,35 @@ def gather_per_replica(parts: list[list[np.ndarray]], strategy) -> list[np.ndarr
             )
             offset += length
     return [np.stack(arrays) for arrays in result]
+
+
+def _gather_bytes(buffers: list[bytes], strategy, size=None) -> list[bytes]:
+    """All-gathers one byte string per local replica; returns every
+    replica's, each as long as the longest (zero-padded at its end).
+
+    The strings travel padded to whole float64 words (a gather moves bits;
+    it does no arithmetic), after a gather of their lengths unless `size`
+    gives the length of every replica's (the same on every worker).
+    """
+    base, _ = worker_layout(strategy)
+
+    def gather(local_rows):
+        def value_fn(context):
+            return tf.constant(local_rows[context.replica_id_in_sync_group - base])[
+                None
+            ]
+
+        distributed = strategy.experimental_distribute_values_from_function(value_fn)
+        return collectives.gather_across(strategy, distributed).numpy()
+
+    if size is None:
+        size = int(gather([np.array([len(b)], np.int64) for b in buffers]).max())
+    words = -(-size // 8)
+    rows = [
+        np.frombuffer(b + b"\0" * (words * 8 - len(b)), dtype=np.float64)
+        for b in buffers
+    ]
+    return [row.tobytes() for row in gather(rows)]
 
 
 def assign_values(inventory, values: list, strategy) -> None:
@@ -132,5 +188,7 @@ def assign_values(inventory, values: list, strategy) -> None:
             components = strategy.experimental_local_results(entry.variable)
             for offset, component in enumerate(components):
                 component.assign(value[base + offset])
+        elif entry.owned:
+            entry.variable.assign(value)  # where this process holds it
         else:
             entry.variable.assign(value)

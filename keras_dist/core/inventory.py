@@ -33,7 +33,12 @@ on `R` (`reshard`):
   (`join_shards`) and split again for `R'`, or for another segmentation.
 - `"exact"` (`NONE`): no rule; restorable only on the same replica count.
 
-Mirrored state is restored as it is on any replica count.
+Mirrored state is restored as it is on any replica count. *Owned* state
+(placement `OWNED`, rule `"owned"`) is held whole by one replica, its
+owner, and by no other: the optimizer state of a variable under
+`ShardedOptimizer(..., shard_by="variables")`. It is saved whole, like a
+mirrored value, and restored onto whichever replica owns the variable on
+the new replica count.
 """
 
 from __future__ import annotations
@@ -46,9 +51,13 @@ import tensorflow as tf
 
 MIRRORED = "mirrored"
 PER_REPLICA = "per_replica"
+OWNED = "owned"
 
-RULES = ("same", "sum", "first", "mean", "shard", "exact")
-"""The resharding rules; `"same"` is the rule of every mirrored entry."""
+RULES = ("same", "sum", "first", "mean", "shard", "exact", "owned")
+"""The resharding rules; `"same"` is the rule of every mirrored entry and
+`"owned"` of every owned one."""
+
+_RULE_OF_PLACEMENT = {MIRRORED: "same", OWNED: "owned"}
 
 _RULE_OF_AGGREGATION = {
     tf.VariableAggregation.SUM: "sum",
@@ -68,8 +77,9 @@ class StateEntry:
         group: String. `"model"`, `"optimizer"`, `"hook"`, `"statistics"`
             or `"metrics"`.
         variable: The TensorFlow variable (a distributed one under a
-            strategy).
-        placement: String. `MIRRORED` or `PER_REPLICA`.
+            strategy); for `OWNED` state, its handle (`shape`, `dtype`,
+            `local`, `read()`, `assign(value)`; `keras_dist._owned`).
+        placement: String. `MIRRORED`, `PER_REPLICA` or `OWNED`.
         rule: String, one of `RULES`: how it is restored on another
             number of replicas.
         length: Int or `None`. For the `"shard"` rule: the length of the
@@ -99,6 +109,11 @@ class StateEntry:
     def per_replica(self) -> bool:
         """Whether each replica holds its own value."""
         return self.placement == PER_REPLICA
+
+    @property
+    def owned(self) -> bool:
+        """Whether one replica, its owner, holds the value whole."""
+        return self.placement == OWNED
 
     @property
     def shape(self) -> tuple:
@@ -168,9 +183,10 @@ class StateInventory:
             length: Int or `None`. The unpadded length, for `"shard"`.
             placement: String or `None`: `PER_REPLICA` for a mirrored
                 variable whose replicas hold values of their own between
-                synchronizations (local SGD's weights and slots); `None`
-                for the placement its synchronization gives
-                (`placement_of`).
+                synchronizations (local SGD's weights and slots); `OWNED`
+                for state one replica holds (then `variable` is its handle
+                and `rule` is `"owned"`); `None` for the placement its
+                synchronization gives (`placement_of`).
             segments: Tuple of ints or `None`. For `"shard"`: the lengths
                 of the vector's segments (they add up to `length`); `None`
                 for one segment.
@@ -182,17 +198,21 @@ class StateInventory:
         if id(variable) in self._seen:
             return
         placement = placement_of(variable) if placement is None else placement
-        if placement not in (MIRRORED, PER_REPLICA):
+        if placement not in (MIRRORED, PER_REPLICA, OWNED):
             raise ValueError(
-                f"`placement` must be {MIRRORED!r}, {PER_REPLICA!r} or None. "
-                f"Received: placement={placement!r} for {group}/{name}."
+                f"`placement` must be {MIRRORED!r}, {PER_REPLICA!r}, {OWNED!r} "
+                f"or None. Received: placement={placement!r} for {group}/{name}."
             )
-        rule = rule_of(variable) if rule is None else rule
-        if rule not in RULES or (placement == PER_REPLICA) == (rule == "same"):
+        if rule is None:
+            rule = _RULE_OF_PLACEMENT.get(placement) or rule_of(variable)
+        expected = _RULE_OF_PLACEMENT.get(placement)
+        if rule not in RULES or (
+            rule != expected if expected else rule in _RULE_OF_PLACEMENT.values()
+        ):
             raise ValueError(
-                f"`rule` must be one of {list(RULES)}, and 'same' exactly for "
-                f"mirrored state. Received: rule={rule!r} for the {placement} "
-                f"variable {group}/{name}."
+                f"`rule` must be one of {list(RULES)}, 'same' exactly for "
+                "mirrored state and 'owned' exactly for owned state. Received: "
+                f"rule={rule!r} for the {placement} variable {group}/{name}."
             )
         self._seen.add(id(variable))
         if (rule == "shard") != (length is not None):
