@@ -33,12 +33,13 @@ OWNED = {
 }
 
 
-def sharded_cases(cases, epochs=2, save_to=None):
+def sharded_cases(cases, epochs=2, save_to=None, strategy=None):
     """ShardedOptimizer with DistributedModel on MultiWorkerMirroredStrategy,
     one strategy for all cases `(name, accumulation_steps, micro_batch,
     hook_config)` (`name` a key of `INNER` or `OWNED`, `hook_config` a
     serialized all-reduce hook or `None`); with `save_to`, each worker saves
-    each model as `<name>-<task>.keras` there.
+    each model as `<name>-<task>.keras` there. `strategy`: the
+    `MultiWorkerMirroredStrategy` to train under (`None`: a new one).
 
     Returns a list, in the cases' order, of each case's weights, iterations,
     the shape of a slot's local slices, the variables whose state this
@@ -60,7 +61,7 @@ def sharded_cases(cases, epochs=2, save_to=None):
     import keras_dist.compression  # registers the hooks for deserialization
     from keras_dist.core import gloo
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    strategy = strategy or tf.distribute.MultiWorkerMirroredStrategy()
     x, y = make_data()
     results = []
     for name, accumulation_steps, micro_batch, hook_config in cases:

@@ -15,7 +15,6 @@ import sys
 import keras
 import numpy as np
 import pytest
-import sharding_workers
 import tensorflow as tf
 import workers
 from helpers import max_abs_diff
@@ -43,27 +42,54 @@ def _compressed_fits(configs, backend):
     )
 
 
+HOOKS = [
+    NoCompression(),
+    NoCompression(bucket_bytes=1),
+    FP16(),
+    BF16(),
+    PowerSGD(rank=2, start_step=0),
+    # Plain sums for 2 steps, then compressed: the switch is a `tf.cond`
+    # whose sums stay on TensorFlow's collectives.
+    PowerSGD(rank=2, start_step=2),
+    # Index/value pairs of static size: an all-gather, through gloo.
+    TopK(ratio=0.2),
+    DGC(ratio=0.05, warmup_steps=0, clipnorm=1.0),
+]
+SHARDED_CASES = [
+    ("adam", 1, 8, None),
+    ("clipnorm", 1, 8, None),
+    ("adamw", 1, 8, keras.saving.serialize_keras_object(FP16())),
+    ("sgd", 4, 2, None),
+    # Sharded by whole variables (Lamb is not elementwise).
+    ("lamb", 1, 8, None),
+]
+
+
+@pytest.fixture(scope="module")
+def equality_fits():
+    """The compressed and the sharded fits of the two equality tests, on 2
+    workers, with gloo and with TensorFlow's collectives: one launch each
+    (`workers.compressed_and_sharded_fits`)."""
+    configs = [keras.saving.serialize_keras_object(h) for h in HOOKS]
+    return {
+        backend: run_workers(
+            workers.compressed_and_sharded_fits,
+            args=(configs, SHARDED_CASES),
+            env={"KERAS_DIST_COLLECTIVES": backend},
+            timeout=600,
+        )
+        for backend in ("gloo", "tensorflow")
+    }
+
+
 @pytest.mark.multiworker
-def test_gloo_sums_equal_tensorflow_collectives_exactly():
+def test_gloo_sums_equal_tensorflow_collectives_exactly(equality_fits):
     """2 workers, the same fits with gloo and with TensorFlow's collectives:
     the same weights to the bit (2 workers add in one order), every dense
     bucket outside a `tf.cond` through gloo, FP16/BF16 payloads included."""
-    hooks = [
-        NoCompression(),
-        NoCompression(bucket_bytes=1),
-        FP16(),
-        BF16(),
-        PowerSGD(rank=2, start_step=0),
-        # Plain sums for 2 steps, then compressed: the switch is a `tf.cond`
-        # whose sums stay on TensorFlow's collectives.
-        PowerSGD(rank=2, start_step=2),
-        # Index/value pairs of static size: an all-gather, through gloo.
-        TopK(ratio=0.2),
-        DGC(ratio=0.05, warmup_steps=0, clipnorm=1.0),
-    ]
-    configs = ([keras.saving.serialize_keras_object(h) for h in hooks],)
-    with_gloo = _compressed_fits(configs, "gloo")
-    with_tf = _compressed_fits(configs, "tensorflow")
+    hooks = HOOKS
+    with_gloo = [result["compressed"] for result in equality_fits["gloo"]]
+    with_tf = [result["compressed"] for result in equality_fits["tensorflow"]]
     # `compressed_fit` reports the group's running counts: per fit, the
     # difference from the previous one.
     for worker in range(2):
@@ -128,40 +154,30 @@ def test_half_precision_sums_add_in_worker_order_on_every_worker():
 
 
 @pytest.mark.multiworker
-def test_the_sharded_optimizer_through_gloo_equals_tensorflow_collectives():
+def test_the_sharded_optimizer_through_gloo_equals_tensorflow_collectives(
+    equality_fits,
+):
     """2 workers, ShardedOptimizer fits with gloo and with TensorFlow's
     collectives: the same weights to the bit (gloo moves the rows, the sum
     is TensorFlow's either way), the reduce-scatters and all-gathers outside
     a `tf.cond` through gloo's all-to-all."""
-    cases = [
-        ("adam", 1, 8, None),
-        ("clipnorm", 1, 8, None),
-        ("adamw", 1, 8, keras.saving.serialize_keras_object(FP16())),
-        ("sgd", 4, 2, None),
-        # Sharded by whole variables (Lamb is not elementwise).
-        ("lamb", 1, 8, None),
-    ]
-    with_gloo = run_workers(
-        sharding_workers.sharded_cases,
-        args=(cases,),
-        env={"KERAS_DIST_COLLECTIVES": "gloo"},
-        timeout=400,
-    )
-    with_tf = run_workers(
-        sharding_workers.sharded_cases,
-        args=(cases,),
-        env={"KERAS_DIST_COLLECTIVES": "tensorflow"},
-        timeout=400,
-    )
+    cases = SHARDED_CASES
+    with_gloo = [result["sharded"] for result in equality_fits["gloo"]]
+    with_tf = [result["sharded"] for result in equality_fits["tensorflow"]]
     for worker in range(2):
         for case, got, reference in zip(cases, with_gloo[worker], with_tf[worker]):
             assert reference["gloo"] is None
             assert max_abs_diff(got["weights"], reference["weights"]) == 0.0, case
             assert got["iterations"] == reference["iterations"], case
-    # The group's running counts, per fit.
-    ops = [{}] + [result["gloo"] for result in with_gloo[0]]
+    # The group's running counts, per fit (after the compressed fits').
+    ops = [equality_fits["gloo"][0]["sharded_base"]]
+    ops += [result["gloo"] for result in with_gloo[0]]
     counts = [
-        {op: after.get(op, 0) - before.get(op, 0) for op in after}
+        {
+            op: after[op] - before.get(op, 0)
+            for op in after
+            if after[op] != before.get(op, 0)
+        }
         for before, after in itertools.pairwise(ops)
     ]
     assert with_gloo[1][-1]["gloo"] == with_gloo[0][-1]["gloo"]

@@ -155,11 +155,13 @@ def uneven_fit(cases, epochs=2):
     return results
 
 
-def compressed_fit(hook_configs, epochs=2, batch_size=16):
+def compressed_fit(hook_configs, epochs=2, batch_size=16, strategy=None):
     """Trains the helpers' MLP with each hook under MultiWorkerMirroredStrategy.
 
     Args:
         hook_configs: List of `keras.saving.serialize_keras_object` outputs.
+        strategy: The `MultiWorkerMirroredStrategy` to train under (`None`:
+            a new one).
 
     Returns:
         Per hook (in order): weights, loss history, stats ratio, this
@@ -175,7 +177,7 @@ def compressed_fit(hook_configs, epochs=2, batch_size=16):
     import keras_dist.compression  # registers the hooks for deserialization
     from keras_dist.core import gloo
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    strategy = strategy or tf.distribute.MultiWorkerMirroredStrategy()
     x, y = make_data()
     dataset = sharded_dataset(x, y, batch_size)
     results = []
@@ -202,6 +204,31 @@ def compressed_fit(hook_configs, epochs=2, batch_size=16):
             }
         )
     return results
+
+
+def compressed_and_sharded_fits(hook_configs, sharded_cases):
+    """`compressed_fit(hook_configs)`, then
+    `sharding_workers.sharded_cases(sharded_cases)`, on one strategy (one
+    cluster start for test_gloo.py's two equality checks).
+
+    Returns:
+        Dict: `"compressed"` and `"sharded"`, the two results, and
+        `"sharded_base"`: the gloo group's running count of collectives by
+        kind before the sharded fits (`None` on TensorFlow's collectives).
+    """
+    import sharding_workers
+    import tensorflow as tf
+
+    from keras_dist.core import gloo
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    compressed = compressed_fit(hook_configs, strategy=strategy)
+    group = gloo.group_for(strategy)
+    return {
+        "compressed": compressed,
+        "sharded_base": None if group is None else dict(group.ops),
+        "sharded": sharding_workers.sharded_cases(sharded_cases, strategy=strategy),
+    }
 
 
 def strategy_with_communication_options():
