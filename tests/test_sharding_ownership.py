@@ -222,7 +222,7 @@ def backed_up_fit(strategy, folder, crash_at=None):
     return model
 
 
-@pytest.mark.parametrize(("before", "after"), [(2, 2), (2, 4), (4, 1)])
+@pytest.mark.parametrize(("before", "after"), [(2, 2), (2, 4), (2, 1)])
 def test_backup_and_restore_resumes_the_owned_state_exactly(
     tmp_path, mirrored, before, after
 ):
