@@ -491,23 +491,18 @@ def _environment_without_tf_log_settings():
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize(
-    "switch",
-    [[], pytest.param(["--tf-logs"], marks=pytest.mark.extended)],
-    ids=["default", "tf-logs"],
-)
-def test_two_worker_readme_example_prints_tensorflow_logs_only_when_asked(
-    tmp_path, switch
-):
-    # `keras-dist launch --workers 2 -- python train.py` on the README's
-    # example (2 epochs instead of 10): TensorFlow's C++ lines (the oneDNN
-    # notice, "Could not find cuda drivers", `failed call to cuInit`, the
-    # coordination service) are hidden unless asked for; training output
-    # is not.
+@pytest.mark.extended
+def test_two_worker_readme_example_prints_tensorflow_logs_when_asked(tmp_path):
+    # `keras-dist launch --workers 2 --tf-logs -- python train.py` on the
+    # README's example (2 epochs instead of 10): TensorFlow's C++ lines (the
+    # oneDNN notice, "Could not find cuda drivers", `failed call to cuInit`,
+    # the coordination service) come through when asked for; training
+    # output too. Without `--tf-logs` they are hidden: test_readme.py's run
+    # of the README's command checks that.
     script = tmp_path / "train.py"
     script.write_text(_readme_example(epochs=2))
     result = _run_module(
-        ["launch", "--workers", "2", *switch, "--", sys.executable, str(script)],
+        ["launch", "--workers", "2", "--tf-logs", "--", sys.executable, str(script)],
         env=_environment_without_tf_log_settings(),
         timeout=600,
     )
@@ -515,11 +510,7 @@ def test_two_worker_readme_example_prints_tensorflow_logs_only_when_asked(
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     for index in range(2):
         assert "Epoch 2/2" in task_lines(result.stdout, f"worker:{index}")
-    native = native_log_lines(result.stdout + result.stderr)
-    if switch:
-        assert len(native) > 0
-    else:
-        assert native == []
+    assert len(native_log_lines(result.stdout + result.stderr)) > 0
 
 
 def test_env_prints_no_tensorflow_log_line_by_default():

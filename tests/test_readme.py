@@ -11,6 +11,7 @@ import sys
 
 import transcripts
 from helpers import REPO_ROOT
+from tf_log_lines import native_log_lines
 
 README = os.path.join(REPO_ROOT, "README.md")
 
@@ -41,7 +42,9 @@ def test_readme_links_resolve():
 def test_the_example_under_the_launcher_prints_a_line_per_epoch(tmp_path):
     # The README's two-worker command, as copied: `fit`'s default verbosity
     # under the launcher is one line per epoch (a progress bar redrawn with
-    # \r and \b once erased the task names).
+    # \r and \b once erased the task names), and TensorFlow's C++ lines (the
+    # oneDNN notice, "Could not find cuda drivers", the coordination
+    # service) are hidden unless `--tf-logs` asks for them (test_cli.py).
     (tmp_path / "train.py").write_text(fifteen_line_example())
     env = {
         name: value
@@ -63,6 +66,7 @@ def test_the_example_under_the_launcher_prints_a_line_per_epoch(tmp_path):
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     out = done.stdout
+    assert native_log_lines(done.stdout + done.stderr) == []
     assert "\r" not in out and "\x08" not in out and "\x1b" not in out
     epoch_line = re.compile(
         r"^\[worker:[01]\] \d+/\d+ - \d+s - \d+ms/step - accuracy: [0-9.]+ - "
