@@ -6,7 +6,9 @@ from the installed Keras wheel with the model names rebound to keras_dist's
 on stock Keras (the recorded list in `tests/keras_conformance/stock_passing/`)
 is one item here and must pass with `DistributedModel`, unless
 `exceptions.py` or `known_defects.py` lists it (then it must fail: strict
-xfail). The other suites are in `test_*_conformance.py`.
+xfail). `make test` checks every second of them (a fixed stride:
+`checks.SAMPLED`), `make test-all` all. The other suites are in
+`test_*_conformance.py`.
 """
 
 import sys
@@ -21,5 +23,8 @@ import checks
 
 @pytest.mark.slow
 @pytest.mark.parametrize("test_id", checks.cases("trainer-model"))
-def test_keras_trainer_and_model_tests_pass_with_distributed_model(test_id):
-    checks.check("trainer-model", test_id)
+def test_keras_trainer_and_model_tests_pass_with_distributed_model(test_id, request):
+    # `make test` checks every second test (the substituted run runs those
+    # alone); `make test-all` all of them.
+    everything = request.config.getoption("extended")
+    checks.check("trainer-model", test_id, everything)

@@ -22,6 +22,10 @@ from known_defects import KNOWN_DEFECTS
 
 NO_STOCK_LIST = "no-stock-list"
 LISTS = "exception-and-defect-lists"
+# `make test` runs every N-th expected test of these suites (a fixed
+# stride, so every test class keeps some); `make test-all` runs them all
+# (CONTRIBUTING.md, "Two tiers").
+SAMPLED = {"trainer-model": 2}
 
 
 def cases(suite_name: str) -> list:
@@ -33,30 +37,45 @@ def cases(suite_name: str) -> list:
     exceptions = EXCEPTIONS.get(suite_name, {})
     defects = KNOWN_DEFECTS.get(suite_name, {})
     params = [pytest.param(LISTS, id=f"{suite_name}-{LISTS}")]
+    sampled = _sample(suite_name, run.expected_ids(suite, stock))
     for test_id in run.expected_ids(suite, stock):
         marks = []
         reason = exceptions.get(test_id) or defects.get(test_id)
         if reason is not None:
             marks.append(pytest.mark.xfail(strict=True, reason=reason))
+        if test_id not in sampled:
+            marks.append(pytest.mark.extended)
         params.append(pytest.param(test_id, marks=marks, id=test_id))
     return params
 
 
+def _sample(suite_name: str, ids: list) -> set:
+    """The ids `make test` runs: every `SAMPLED[suite_name]`-th, or all."""
+    return set(ids[:: SAMPLED.get(suite_name, 1)])
+
+
 @functools.cache
-def results(suite_name: str) -> dict[str, run.Result]:
-    """The suite's substituted run, once per process."""
-    return run.run(suites.suites()[suite_name], "distributed")
+def results(suite_name: str, everything: bool = True) -> dict[str, run.Result]:
+    """The suite's substituted run, once per process: every test, or
+    (`everything=False`) the sample `make test` checks."""
+    suite = suites.suites()[suite_name]
+    ids = None
+    if not everything and suite_name in SAMPLED:
+        expected = run.expected_ids(suite, run.stock_ids(suite))
+        ids = sorted(_sample(suite_name, expected))
+    return run.run(suite, "distributed", ids=ids)
 
 
-def check(suite_name: str, test_id: str) -> None:
-    """Fails unless `test_id` passed in the suite's substituted run."""
+def check(suite_name: str, test_id: str, everything: bool = True) -> None:
+    """Fails unless `test_id` passed in the suite's substituted run
+    (`everything`: of all its tests, else of `make test`'s sample)."""
     if test_id == NO_STOCK_LIST:
         _check_against_stock_run(suite_name)
         return
     if test_id == LISTS:
         _check_lists(suite_name)
         return
-    result = results(suite_name).get(test_id)
+    result = results(suite_name, everything).get(test_id)
     if result is None:
         pytest.fail(f"{test_id} did not run with keras_dist substituted")
     if result.outcome != "passed":

@@ -101,9 +101,13 @@ def _environment(package: str) -> dict[str, str]:
 
 
 def run(
-    suite: suite_table.Suite, mode: str, timeout: float = 3600
+    suite: suite_table.Suite, mode: str, timeout: float = 3600, ids=None
 ) -> dict[str, Result]:
-    """Runs a suite's files in a fresh interpreter; returns {test id: Result}."""
+    """Runs a suite's files in a fresh interpreter; returns {test id: Result}.
+
+    `ids`: `None` for every test of the files, or the ids (as
+    `expected_ids` names them) of the tests to run alone.
+    """
     if mode not in _MODES:
         raise ValueError(f"`mode` must be one of {_MODES}. Received: mode={mode!r}.")
     files = suite.stock_files() if mode == "stock" else suite.files
@@ -121,6 +125,7 @@ def run(
                 test_file.label if mode == "distributed" else test_file.stock_label
             )
         report = folder / "report.xml"
+        targets = [f.copy_name for f in files] if ids is None else _node_ids(files, ids)
         command = [
             sys.executable,
             "-m",
@@ -138,7 +143,7 @@ def run(
             "--rootdir",
             str(folder),
             f"--junitxml={report}",
-            *(f.copy_name for f in files),
+            *targets,
         ]
         completed = subprocess.run(
             command,
@@ -155,6 +160,15 @@ def run(
                 f"{completed.stdout[-3000:]}{completed.stderr[-3000:]}"
             )
         return parse_junit(report.read_text(), labels)
+
+
+def _node_ids(files, ids) -> list[str]:
+    """pytest's node ids, in the copied files, of the tests `ids` name."""
+    nodes = []
+    for test_id in ids:
+        test_file = next(f for f in files if test_id.startswith(f.label + "::"))
+        nodes.append(test_file.copy_name + test_id[len(test_file.label) :])
+    return nodes
 
 
 def parse_junit(text: str, labels: dict[str, str]) -> dict[str, Result]:
