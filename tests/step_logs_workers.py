@@ -182,11 +182,14 @@ def count_collectives(graph_def, loop_trips):
     return count(graph_def.node)
 
 
-def multi_worker_fit_logs(hook_name=None):
-    """`fit_logs` at `steps_per_execution` 1 and `CHUNK`, under MWMS."""
+def multi_worker_fit_logs(hook_names=(None,)):
+    """`fit_logs` at `steps_per_execution` 1 and `CHUNK`, under MWMS, for
+    each hook named (`None`: the default); `{hook name: {steps: logs}}`."""
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     results = {}
-    for steps in (1, CHUNK):
-        hook = None if hook_name is None else getattr(compression, hook_name)()
-        results[steps] = fit_logs(steps, strategy=strategy, hook=hook)
+    for hook_name in hook_names:
+        results[hook_name] = {}
+        for steps in (1, CHUNK):
+            hook = None if hook_name is None else getattr(compression, hook_name)()
+            results[hook_name][steps] = fit_logs(steps, strategy=strategy, hook=hook)
     return results

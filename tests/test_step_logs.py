@@ -112,18 +112,27 @@ def test_python_iterator_logs(mirrored):
             np.testing.assert_allclose(chunked[key], value, rtol=1e-6)
 
 
-@pytest.mark.multiworker
-@pytest.mark.parametrize("hook", [None, "FP16"])
-def test_multi_worker_chunk_logs_and_collectives(hook):
-    # Counts of TensorFlow's collective ops: keep the sums on them (`auto`
-    # would send the gradients through gloo where PyTorch is installed).
-    results = run_workers(
+HOOKS = (None, "FP16")
+
+
+@pytest.fixture(scope="module")
+def multi_worker_logs():
+    """Both hooks' fits in one 2-worker launch: `[worker][hook][steps]`.
+    Counts of TensorFlow's collective ops: keep the sums on them (`auto`
+    would send the gradients through gloo where PyTorch is installed)."""
+    return run_workers(
         multi_worker_fit_logs,
         num_workers=2,
-        args=(hook,),
+        args=(HOOKS,),
         env={"KERAS_DIST_COLLECTIVES": "tensorflow"},
-        timeout=400,
+        timeout=600,
     )
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("hook", HOOKS)
+def test_multi_worker_chunk_logs_and_collectives(hook, multi_worker_logs):
+    results = [worker[hook] for worker in multi_worker_logs]
     for worker in results:
         reference, chunked = worker[1], worker[CHUNK]
         assert_same_logs(reference, chunked)
