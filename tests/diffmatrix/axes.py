@@ -54,6 +54,7 @@ PIECES = (
     "sharded_2",
     "sharded_variables",
     "backup_same",
+    "backup_sharded_variables",
     "backup_elastic",
     "backup_elastic_accumulate",
     "local_sgd_1",

@@ -120,7 +120,9 @@ Pieces: `model` is `DistributedModel` with the default hook, `model_fp16` /
 `ShardedOptimizer` with `shard_by="variables"` (whole variables per
 replica), `backup_same` a run stopped
 after 7 batches and resumed by `BackupAndRestore(save_freq=5)` on the same
-strategy, `backup_elastic` resumed on one device from 2 replicas or the
+strategy, `backup_sharded_variables` the same with a `ShardedOptimizer`
+sharded by whole variables (each replica's owned state in the backup),
+`backup_elastic` resumed on one device from 2 replicas or the
 other way round, `backup_elastic_accumulate` the same with accumulation 2,
 `local_sgd_1` a `LocalSGDOptimizer` with `sync_every=1`, `diloco_1` a
 `DiLoCoOptimizer` with `sync_every=1` and the outer `SGD(1.0)` (with SGD,

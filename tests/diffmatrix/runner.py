@@ -103,7 +103,7 @@ def candidate_optimizer(case: Case):
         return keras_dist.GradientAccumulationOptimizer(
             inner, accumulation_steps=accumulation_steps(case.piece)
         )
-    if case.piece == "sharded_variables":
+    if case.piece in ("sharded_variables", "backup_sharded_variables"):
         return keras_dist.ShardedOptimizer(inner, shard_by="variables")
     if case.piece.startswith("sharded"):
         # Small segments: the matrix's models would make one at 4 MiB.
@@ -249,7 +249,7 @@ def _resumed(case, data, folder=None):
     folder = tempfile.mkdtemp(prefix="kd_matrix_") if made else folder
     try:
         first = strategy_of(case.strategy)
-        if case.piece == "backup_same":
+        if case.piece in ("backup_same", "backup_sharded_variables"):
             second = first
         else:
             second = strategy_of("mirrored") if first is None else None
