@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import keras
@@ -15,6 +16,8 @@ from keras_dist.core import aggregation, periodic
 from keras_dist.core.optimizer_view import nested_optimizers
 from keras_dist.core.plain import NoCompression
 from keras_dist.optimizers import find_accumulator
+
+logger = logging.getLogger(__name__)
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
@@ -245,6 +248,27 @@ class LocalSGDOptimizer(InnerOptimizerWrapper):
         state = [
             v for v in model.non_trainable_variables if tf.as_dtype(v.dtype).is_floating
         ]
+        replicas = model.distribute_strategy.num_replicas_in_sync
+        # Statistics that training updates per replica (a frozen layer's do
+        # not move).
+        moving = [
+            layer.name
+            for layer in _compat.sublayers(model)
+            if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+        ]
+        if moving and replicas > 1 and self._model_state is None:
+            # Once per optimizer: `fit` calls this each time it starts.
+            logger.warning(
+                "keras_dist: %s averages the moving statistics of %s over the "
+                "%d replicas at every sync. Stock Keras under a strategy lets "
+                "each replica's copy of them drift apart and reads and saves "
+                "the first replica's, so the statistics (and what they "
+                "normalize) differ from stock Keras's on as many replicas, by "
+                "design.",
+                type(self).__name__,
+                ", ".join(moving),
+                replicas,
+            )
         _compat.set_untracked_attribute(self, "_model_state", state)
         if self.built:
             self._window.model_state = list(state)

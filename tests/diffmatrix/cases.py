@@ -83,6 +83,7 @@ ELASTIC = ("backup_elastic", "backup_elastic_accumulate")
 SUMMED_ROWS = r"are sparse \(rows of an Embedding.*accumulation_steps=2"
 MICRO_BATCH_STATISTICS = r"BatchNormalization layers .* compute their batch statistics"
 PER_REPLICA_AFTER_RESIZE = r"elastic resume from \d+ to \d+ replicas with"
+AVERAGED_STATISTICS = r"averages the moving statistics of .* at every sync"
 
 
 def expectation(case: Case):
@@ -91,6 +92,10 @@ def expectation(case: Case):
         return Refused(LOSS_SCALING)
     if case.piece in ELASTIC and case.feature in ("batchnorm", "dropout"):
         return Warned(PER_REPLICA_AFTER_RESIZE, None)
+    on_replicas = case.strategy != "none"
+    if case.piece in PERIODIC and case.feature == "batchnorm" and on_replicas:
+        # Averaged at every sync; stock Keras keeps each replica's copy.
+        return Warned(AVERAGED_STATISTICS, None)
     if case.piece in ACCUMULATING and case.feature == "batchnorm":
         return Warned(MICRO_BATCH_STATISTICS, None)
     if (
