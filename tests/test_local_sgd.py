@@ -255,6 +255,32 @@ def test_a_plain_keras_model_warns_until_its_state_is_synchronized(mirrored):
         fit(model, x, y, epochs=1)
 
 
+@pytest.mark.parametrize(
+    ("replicas", "frozen", "warned"),
+    [(2, False, True), (1, False, False), (2, True, False)],
+    ids=["two_replicas", "one_replica", "frozen"],
+)
+def test_batch_normalization_on_replicas_is_said_to_differ_from_stock(
+    mirrored, caplog, replicas, frozen, warned
+):
+    # Stock Keras keeps each replica's copy of the moving statistics (and
+    # reads the first); local SGD averages them at a sync: said once, where
+    # there are several replicas and statistics that training moves.
+    x, y = data(40)
+    model = compiled(mirrored(replicas), local_sgd(1), batch_norm=True)
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            layer.trainable = not frozen
+    with caplog.at_level("WARNING", logger="keras_dist"):
+        fit(model, x, y, epochs=1)
+        fit(model, x, y, epochs=1)
+    said = [r for r in caplog.records if "averages the moving statistics" in r.message]
+    assert len(said) == (1 if warned else 0)
+    if warned:
+        assert "batch_normalization" in said[0].message
+        assert "over the 2 replicas" in said[0].message
+
+
 def warnings_as_errors():
     import warnings
 
