@@ -46,10 +46,13 @@ def summary(folder):
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """The uninterrupted 2-worker runs of both configurations, one launch."""
+def references(tmp_path_factory, request):
+    """The uninterrupted 2-worker runs of the configurations, one launch
+    (stage 1's only where its kill runs: `make test-all`)."""
     tmp = tmp_path_factory.mktemp("references")
-    configs = ("stage2", "stage1", "owned")
+    configs = ("stage2", "owned")
+    if request.config.getoption("extended"):
+        configs += ("stage1",)
     status, output = launch(tmp, *(a for c in configs for a in ("--config", c)))
     assert status == 0, output[-3000:]
     # Training ended normally: the backups were deleted.
