@@ -9,6 +9,9 @@ variable, so it is in the backups and follows the `"sum"` rule like any
 other per-replica state) and drops the index before the dense layers.
 """
 
+import json
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -93,6 +96,27 @@ def seen(model, strategy):
     """Every example's count, summed over the replicas (and workers)."""
     variable = _find_counter(model).seen.value
     return strategy.reduce("SUM", variable, axis=None).numpy()
+
+
+def write_result(folder, model, counts, workers, history):
+    """What the elastic tests compare: the weights (but the counter),
+    `counts` (`seen`'s result), and a summary, into `folder`."""
+    os.makedirs(folder, exist_ok=True)
+    np.savez(
+        os.path.join(folder, "weights.npz"),
+        *[w.numpy() for w in model.weights if "seen" not in w.path],
+    )
+    np.save(os.path.join(folder, "seen.npy"), counts)
+    with open(os.path.join(folder, "summary.json"), "w") as handle:
+        json.dump(
+            {
+                "workers": workers,
+                "iterations": int(model.optimizer.iterations.numpy()),
+                "accumulation_steps": model.optimizer.accumulation_steps,
+                "loss": history.history["loss"],
+            },
+            handle,
+        )
 
 
 def _find_counter(layer):

@@ -17,15 +17,13 @@ its machine is gone) and SIGKILLs itself after its BATCH-th batch.
 """
 
 import argparse
-import json
 import os
 import signal
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras
-import numpy as np
-from elastic_model import PER_REPLICA, data, make_model, seen
+from elastic_model import PER_REPLICA, data, make_model, seen, write_result
 
 import keras_dist
 from keras_dist.compression import FP16, TopK
@@ -81,22 +79,7 @@ def main():
     )
     counts = seen(model, strategy)  # a collective: every worker
     if strategy.extended.should_checkpoint:
-        os.makedirs(args.out, exist_ok=True)
-        np.savez(
-            os.path.join(args.out, "weights.npz"),
-            *[w.numpy() for w in model.weights if "seen" not in w.path],
-        )
-        np.save(os.path.join(args.out, "seen.npy"), counts)
-        with open(os.path.join(args.out, "summary.json"), "w") as handle:
-            json.dump(
-                {
-                    "workers": workers,
-                    "iterations": int(model.optimizer.iterations.numpy()),
-                    "accumulation_steps": model.optimizer.accumulation_steps,
-                    "loss": history.history["loss"],
-                },
-                handle,
-            )
+        write_result(args.out, model, counts, workers, history)
     print("done", flush=True)
 
 

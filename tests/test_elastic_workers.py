@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 import pytest
-from elastic_model import PER_REPLICA, data, make_model, seen
+from elastic_model import PER_REPLICA, data, make_model, seen, write_result
 from helpers import REPO_ROOT, launch_workers
 
 from keras_dist.callbacks import BackupAndRestore
@@ -80,19 +80,7 @@ def reference(tmp_path_factory, mirrored):
         ],
     )
     out = tmp_path_factory.mktemp("reference") / "out"
-    out.mkdir()
-    np.savez(
-        out / "weights.npz",
-        *[w.numpy() for w in model.weights if "seen" not in w.path],
-    )
-    np.save(out / "seen.npy", seen(model, strategy))
-    summary = {
-        "workers": 1,
-        "iterations": int(model.optimizer.iterations.numpy()),
-        "accumulation_steps": model.optimizer.accumulation_steps,
-        "loss": history.history["loss"],
-    }
-    (out / "summary.json").write_text(json.dumps(summary))
+    write_result(out, model, seen(model, strategy), 1, history)
     return out
 
 

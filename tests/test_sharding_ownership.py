@@ -45,6 +45,13 @@ def one_device(name):
     return fit(None, lambda: OWNED[name](keras)).get_weights()
 
 
+@functools.cache
+def uninterrupted(mirrored, replicas):
+    """The weights of Adafactor by variables trained without a crash on
+    `replicas` replicas (the resume tests' reference), once per count."""
+    return fit(mirrored(replicas), by_variables("adafactor")).get_weights()
+
+
 def by_variables(name):
     return lambda: keras_dist.ShardedOptimizer(OWNED[name](keras), shard_by="variables")
 
@@ -198,15 +205,16 @@ def test_a_keras_file_saved_on_two_replicas_resumes_on_four_and_one(tmp_path, mi
         assert max_abs_diff(reference.get_weights(), loaded.get_weights()) < 1e-6
 
 
-def backed_up_fit(strategy, folder, crash_at=None):
-    """`fit` with `BackupAndRestore` (a backup every 5 batches), stopped
-    by `Boom` after `crash_at` batches; returns the model."""
+def backed_up_fit(strategy, folder, crash_at=None, extra=()):
+    """`fit` of Adafactor by variables with `BackupAndRestore` (a backup
+    every 5 batches) and `extra` callbacks after it, stopped by `Boom` after
+    `crash_at` batches; returns the model."""
     x, y = make_data(n=EXAMPLES)
     with strategy.scope():
         model = compile_model(
             mlp(keras_dist.DistributedModel), by_variables("adafactor")()
         )
-    callbacks = [BackupAndRestore(folder, save_freq=5)]
+    callbacks = [BackupAndRestore(folder, save_freq=5), *extra]
     if crash_at:
         callbacks.append(Boom(crash_at))
     with contextlib.suppress(KeyboardInterrupt):
@@ -237,12 +245,12 @@ def test_backup_and_restore_resumes_the_owned_state_exactly(
     assert len(owned) == len(crashed.optimizer._owned.state_handles()) > 0
     strategy = mirrored(after) if after > 1 else tf.distribute.get_strategy()
     resumed = backed_up_fit(strategy, folder)
-    reference = fit(mirrored(before), by_variables("adafactor"))
     assert int(resumed.optimizer.iterations.numpy()) == EPOCHS * 12
     # The same replicas sum the same gradients: equal; another count sums
     # them in another order (float32 rounding, as the elastic tests allow).
     tolerance = 1e-6 if after == before else 1e-5
-    assert max_abs_diff(reference.get_weights(), resumed.get_weights()) < tolerance
+    reference = uninterrupted(mirrored, before)
+    assert max_abs_diff(reference, resumed.get_weights()) < tolerance
 
 
 def test_a_fresh_owned_state_would_differ(tmp_path, mirrored):
@@ -250,12 +258,6 @@ def test_a_fresh_owned_state_would_differ(tmp_path, mirrored):
     # reset (what a backup without it would give) does not match.
     folder = str(tmp_path / "backup")
     backed_up_fit(mirrored(2), folder, crash_at=17)
-    strategy = mirrored(2)
-    x, y = make_data(n=EXAMPLES)
-    with strategy.scope():
-        model = compile_model(
-            mlp(keras_dist.DistributedModel), by_variables("adafactor")()
-        )
 
     class ResetOwned(keras.callbacks.Callback):
         done = False
@@ -270,18 +272,9 @@ def test_a_fresh_owned_state_would_differ(tmp_path, mirrored):
                     handle.assign(np.zeros(handle.shape, handle.dtype.as_numpy_dtype))
 
     reset = ResetOwned()
-    model.fit(
-        x,
-        y,
-        batch_size=16,
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-        callbacks=[BackupAndRestore(folder, save_freq=5), reset],
-    )
+    model = backed_up_fit(mirrored(2), folder, extra=[reset])
     assert reset.done  # it resumed at the backup of step 15
-    reference = fit(mirrored(2), by_variables("adafactor"))
-    assert max_abs_diff(reference.get_weights(), model.get_weights()) > 1e-4
+    assert max_abs_diff(uninterrupted(mirrored, 2), model.get_weights()) > 1e-4
 
 
 def test_the_layout_balances_whole_variables_and_packs_blocks():

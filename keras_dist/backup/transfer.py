@@ -188,7 +188,6 @@ def assign_values(inventory, values: list, strategy) -> None:
             components = strategy.experimental_local_results(entry.variable)
             for offset, component in enumerate(components):
                 component.assign(value[base + offset])
-        elif entry.owned:
-            entry.variable.assign(value)  # where this process holds it
         else:
+            # Owned state: its handle assigns where this process holds it.
             entry.variable.assign(value)

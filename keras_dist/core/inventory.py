@@ -192,8 +192,9 @@ class StateInventory:
                 for one segment.
 
         Raises:
-            ValueError: `rule` is not one of `RULES`, or `"same"` for a
-                per-replica variable.
+            ValueError: `rule` is not one of `RULES`, or not the rule of
+                the placement (`"same"` for mirrored, `"owned"` for owned
+                state, another for per-replica state).
         """
         if id(variable) in self._seen:
             return
@@ -203,9 +204,9 @@ class StateInventory:
                 f"`placement` must be {MIRRORED!r}, {PER_REPLICA!r}, {OWNED!r} "
                 f"or None. Received: placement={placement!r} for {group}/{name}."
             )
+        expected = _RULE_OF_PLACEMENT.get(placement)  # None: per replica
         if rule is None:
-            rule = _RULE_OF_PLACEMENT.get(placement) or rule_of(variable)
-        expected = _RULE_OF_PLACEMENT.get(placement)
+            rule = expected or rule_of(variable)
         if rule not in RULES or (
             rule != expected if expected else rule in _RULE_OF_PLACEMENT.values()
         ):

@@ -37,8 +37,9 @@ def cases(suite_name: str) -> list:
     exceptions = EXCEPTIONS.get(suite_name, {})
     defects = KNOWN_DEFECTS.get(suite_name, {})
     params = [pytest.param(LISTS, id=f"{suite_name}-{LISTS}")]
-    sampled = _sample(suite_name, run.expected_ids(suite, stock))
-    for test_id in run.expected_ids(suite, stock):
+    expected = run.expected_ids(suite, stock)
+    sampled = _sample(suite_name, expected)
+    for test_id in expected:
         marks = []
         reason = exceptions.get(test_id) or defects.get(test_id)
         if reason is not None:
