@@ -101,7 +101,9 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         accumulation_steps: Int >= 1. Micro-steps per update, with
             reduce-scattered slice accumulators (stage 2). Defaults to `1`.
         bucket_bytes: Int or `None`. The size of a segment in bytes: one
-            reduce-scatter and one all-gather each. Defaults to
+            reduce-scatter and one all-gather each (on TensorFlow's CPU
+            collectives, a larger one, and the vector of `shard_by=
+            "variables"`, go in concurrent chunks of this size). Defaults to
             `keras_dist.compression.DEFAULT_BUCKET_BYTES` (4 MiB). `None`:
             one segment, the whole model flattened (one collective each,
             after the backward pass). The saved state does not depend on
@@ -253,7 +255,9 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         """Whole variables per replica: their state in per-variable copies
         of the inner optimizer on the owners' devices (`_owned.Owned`)."""
         layout = sharding.OwnerLayout(
-            [v.shape for v in var_list], strategy.num_replicas_in_sync
+            [v.shape for v in var_list],
+            strategy.num_replicas_in_sync,
+            chunk_bytes=self._bucket_bytes,
         )
         base = self._base
         _compat.set_untracked_attribute(

@@ -340,6 +340,40 @@ def test_all_reduces_take_subdivisions_through_the_launchers():
         np.testing.assert_array_equal(value.numpy(), 3 * np.ones(1000))
 
 
+def test_unordered_collectives_leave_the_automatic_control_dependencies():
+    # `tf_internal.all_to_all(..., ordered=False)`: a function being traced
+    # keeps its `AutomaticControlDependencies` as `experimental_acd_manager`,
+    # whose `run_independently` keeps an op out of the program-order chain
+    # of stateful ops (tensorflow/python/framework/auto_control_deps.py).
+    from tensorflow.python.framework import auto_control_deps
+
+    assert callable(auto_control_deps.AutomaticControlDependencies.run_independently)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    seen = {}
+
+    @tf.function
+    def step():
+        def replica():
+            graph = tf.compat.v1.get_default_graph()
+            seen["manager"] = graph.experimental_acd_manager
+            rows = tf.ones([2, 8])
+            first = tf_internal.all_to_all(strategy, rows, ordered=False)
+            second = tf_internal.all_to_all(strategy, rows * 2, ordered=False)
+            return first + second
+
+        return strategy.run(replica)
+
+    graph = step.get_concrete_function().graph
+    assert isinstance(seen["manager"], auto_control_deps.AutomaticControlDependencies)
+    ops = [op for op in graph.get_operations() if op.type == "CollectiveAllToAllV2"]
+    assert len(ops) == 4
+    for op in ops:
+        assert not [c for c in op.control_inputs if c.type.startswith("Collective")]
+        assert all(t.dtype != tf.resource for t in op.inputs)  # no ordering token
+    for value in strategy.experimental_local_results(step()):
+        np.testing.assert_array_equal(value.numpy(), 3 * np.ones([2, 8]))
+
+
 def test_stable_instance_keys_stop_drawing_keys_after_the_first_call():
     # `tf_internal.stable_instance_keys`: TensorFlow draws a new instance
     # key per collective per call (`CollectiveKeys._instance_key_table`, a

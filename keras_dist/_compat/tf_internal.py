@@ -287,7 +287,7 @@ def is_multi_worker(strategy) -> bool:
     )
 
 
-# --- All-to-all -------------------------------------------------------------
+# --- All-to-all and unordered collectives -------------------------------------
 #
 # TensorFlow has an all-to-all collective on CPUs and GPUs
 # (`collective_ops.all_to_all_v2`) but no replica-context API for it, and its
@@ -296,6 +296,14 @@ def is_multi_worker(strategy) -> bool:
 # per-device launcher as the strategy's own collectives: its group, the next
 # instance key of that group and its ordering token, so it is ordered with
 # them and keyed like them.
+#
+# Unordered (`ordered=False`): no ordering token, and the op is taken out of
+# the function's automatic control dependencies
+# (`AutomaticControlDependencies.run_independently`, which TensorFlow 2.21
+# keeps on the graph being traced as `experimental_acd_manager`), which
+# otherwise chain every stateful op without a resource input in program
+# order. Such a collective runs as soon as its input exists, concurrently
+# with the others (`keras_dist.core.chunked`).
 
 
 def _collective_all_reduce(strategy):
@@ -309,37 +317,68 @@ def _collective_all_reduce(strategy):
     )
 
 
-def all_to_all(strategy, tensor):
-    """Replica context: row `i` of `tensor` goes to replica `i`.
-
-    Args:
-        strategy: The strategy whose replica context this is.
-        tensor: A tensor whose first dimension is the number of replicas.
-
-    Returns:
-        The rows every replica sent to this one, in replica order.
-    """
-    tensor = tf.convert_to_tensor(tensor)
+def _launcher_here(strategy, what: str):
     device = _device_util.canonicalize(_device_util.current())
     for launcher in _collective_all_reduce(strategy)._launchers:
         if launcher._device == device:
-            break
-    else:
-        raise RuntimeError(
-            f"No collective launcher for device {device}: call all_to_all in "
-            "the replica context of the strategy that owns the replica."
-        )
+            return launcher
+    raise RuntimeError(
+        f"No collective launcher for device {device}: call {what} in "
+        "the replica context of the strategy that owns the replica."
+    )
+
+
+def collective_device_type(strategy) -> str:
+    """The device type (`"CPU"`, `"GPU"`) of this replica's collectives."""
+    launcher = _launcher_here(strategy, "collective_device_type")
+    return tf.DeviceSpec.from_string(launcher._device).device_type or "CPU"
+
+
+def _issue(strategy, what, collective, tensor, ordered):
+    tensor = tf.convert_to_tensor(tensor)
+    launcher = _launcher_here(strategy, what)
     options = launcher._options
     with tf.device(launcher._device):
-        return _collective_ops.all_to_all_v2(
+        result = collective(
             tensor,
             launcher._group_size,
             launcher._group_key,
             _instance_key(launcher, tensor),
             communication_hint=options.implementation.value,
             timeout=options.timeout_seconds or 0,
-            ordering_token=launcher._get_ordering_token(),
+            ordering_token=launcher._get_ordering_token() if ordered else None,
         )
+    if not ordered:
+        manager = getattr(result.graph, "experimental_acd_manager", None)
+        if manager is not None:
+            manager.run_independently(result.op)
+    return result
+
+
+def all_to_all(strategy, tensor, ordered=True):
+    """Replica context: row `i` of `tensor` goes to replica `i`.
+
+    Args:
+        strategy: The strategy whose replica context this is.
+        tensor: A tensor whose first dimension is the number of replicas.
+        ordered: Bool. `False`: not ordered with the step's other
+            collectives (see above); only where collectives are matched by
+            their keys, not their order (not NCCL). Defaults to `True`.
+
+    Returns:
+        The rows every replica sent to this one, in replica order.
+    """
+    return _issue(
+        strategy, "all_to_all", _collective_ops.all_to_all_v2, tensor, ordered
+    )
+
+
+def all_gather(strategy, tensor, ordered=True):
+    """Replica context: every replica's `tensor` (static shape) concatenated
+    along the first axis, in replica order; `ordered` as `all_to_all`'s."""
+    return _issue(
+        strategy, "all_gather", _collective_ops.all_gather_v2, tensor, ordered
+    )
 
 
 # --- Checkpoint serialization -------------------------------------------------

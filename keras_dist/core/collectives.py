@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from keras_dist._compat import tf_internal
 from keras_dist._validation import check_int
-from keras_dist.core import gloo, watchdog
+from keras_dist.core import chunked, gloo, watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -329,11 +329,14 @@ def _gloo_carrying(ctx, tensors):
     return backend
 
 
-def all_gather(tensor, axis=0):
+def all_gather(tensor, axis=0, chunk_bytes=None):
     """Concatenates every replica's `tensor` along `axis`, in replica order.
 
     Along the first axis, with shapes known when tracing, through gloo where
-    the strategy's sums go through it (`core/gloo.py`).
+    the strategy's sums go through it (`core/gloo.py`). `chunk_bytes` (an
+    int, along the first axis, static shapes): on TensorFlow's CPU
+    collectives, gathered in unordered chunks of about that many bytes
+    (`core/chunked.py`).
     """
     ctx = replica_context()
     if ctx.num_replicas_in_sync == 1:
@@ -342,7 +345,10 @@ def all_gather(tensor, axis=0):
     if backend is not None:
         (gathered,) = backend.finish(backend.start_all_gather(tensor))
         return gathered
-    return ctx.all_gather(tensor, axis=axis)
+    if chunk_bytes is None or axis != 0:
+        return ctx.all_gather(tensor, axis=axis)
+    gathered = chunked.gather_rows(ctx.strategy, tf.reshape(tensor, [-1]), chunk_bytes)
+    return tf.reshape(gathered, [-1, *tensor.shape[1:]])
 
 
 def all_gather_pairs(indices, values):
@@ -403,7 +409,7 @@ def _from_words(words, dtype, count):
     return tf.reshape(values[:, :count], [-1])
 
 
-def reduce_scatter(flat, sum_dtype=None):
+def reduce_scatter(flat, sum_dtype=None, chunk_bytes=None):
     """Sums a flat vector over replicas; each replica keeps its own slice.
 
     Replica `i` of `N` gets `sum over replicas of flat[i*S:(i+1)*S]` (`S =
@@ -418,6 +424,9 @@ def reduce_scatter(flat, sum_dtype=None):
         sum_dtype: `tf.DType` or `None`. The dtype the received rows are
             cast to before the local sum (a 16-bit wire summed in float32).
             `None`: `flat`'s.
+        chunk_bytes: Int or `None`. On TensorFlow's CPU collectives, the
+            all-to-all goes in unordered chunks of about this many bytes
+            (`core/chunked.py`). `None`: one all-to-all.
 
     Returns:
         This replica's slice of the sum, of length `len(flat) / N`.
@@ -427,14 +436,10 @@ def reduce_scatter(flat, sum_dtype=None):
     if replicas == 1:
         return flat if sum_dtype is None else tf.cast(flat, sum_dtype)
     backend = _gloo_carrying(ctx, [flat])
-    if backend is not None:
-        (received,) = backend.finish(backend.start_all_to_all(flat))
-    else:
-        rows = tf.reshape(flat, [replicas, -1])
-        received = tf_internal.all_to_all(ctx.strategy, rows)
-    if sum_dtype is not None:
-        received = tf.cast(received, sum_dtype)
-    return tf.reduce_sum(tf.reshape(received, [replicas, -1]), axis=0)
+    if backend is None:
+        return chunked.sum_rows(ctx.strategy, flat, sum_dtype, chunk_bytes)
+    (received,) = backend.finish(backend.start_all_to_all(flat))
+    return chunked.add_rows(received, replicas, sum_dtype)
 
 
 # --- Cross-replica context -------------------------------------------------

@@ -76,7 +76,10 @@ class ShardLayout:
     reduce-scattered as soon as the backward pass has computed them, while
     it computes the rest, and no step flattens the whole model. With
     `bucket_bytes=None` the whole vector is one segment: replica `i` owns
-    elements `[i*S, (i+1)*S)` of it.
+    elements `[i*S, (i+1)*S)` of it. On TensorFlow's CPU collectives a
+    segment's reduce-scatter and all-gather go in unordered chunks of about
+    `bucket_bytes` (`collectives.reduce_scatter`'s `chunk_bytes`), so one
+    large variable does not travel as one message.
 
     Args:
         shapes: List of the variables' shapes (tuples of ints), in order.
@@ -89,6 +92,9 @@ class ShardLayout:
 
     def __init__(self, shapes, replicas: int, bucket_bytes=None, dtype=tf.float32):
         self.shapes = [tuple(int(d) for d in shape) for shape in shapes]
+        # A segment larger than this (one large variable) travels in chunks
+        # of about this size on TensorFlow's CPU collectives (`chunked`).
+        self.chunk_bytes = bucket_bytes
         self.sizes = [math.prod(shape) for shape in self.shapes]
         self.offsets = [int(o) for o in np.cumsum([0, *self.sizes[:-1]])]
         self.total = int(sum(self.sizes))
@@ -311,7 +317,9 @@ def reduce_to_owners(layout: ShardLayout, flats, wire_dtype=None, range_checked=
 def _scatter(layout, flats, sum_dtype=None):
     pieces = [None] * len(flats)
     for segment in layout.issue_order:
-        pieces[segment] = collectives.reduce_scatter(flats[segment], sum_dtype)
+        pieces[segment] = collectives.reduce_scatter(
+            flats[segment], sum_dtype, layout.chunk_bytes
+        )
     return layout.join_pieces(pieces)
 
 
@@ -321,7 +329,10 @@ def gather_slices(layout: ShardLayout, local_slice) -> list:
     values = [None] * len(layout.sizes)
     pieces = layout.split_slice(local_slice)
     for segment, piece in enumerate(pieces):
-        flat = tf.reshape(collectives.all_gather(piece[None], axis=0), [-1])
+        gathered = collectives.all_gather(
+            piece[None], axis=0, chunk_bytes=layout.chunk_bytes
+        )
+        flat = tf.reshape(gathered, [-1])
         for position, value in zip(
             layout.segment_variables[segment],
             layout.unflatten_segment(segment, flat),
@@ -378,10 +389,14 @@ class OwnerLayout:
     Args:
         shapes: List of the variables' shapes (tuples of ints), in order.
         replicas: Int. The number of replicas `N`.
+        chunk_bytes: Int or `None`. On TensorFlow's CPU collectives, the
+            vector travels in unordered chunks of about this many bytes
+            (`ShardLayout`'s). Defaults to `None` (one piece).
     """
 
-    def __init__(self, shapes, replicas: int):
+    def __init__(self, shapes, replicas: int, chunk_bytes=None):
         self.shapes = [tuple(int(d) for d in shape) for shape in shapes]
+        self.chunk_bytes = chunk_bytes
         self.sizes = [math.prod(shape) for shape in self.shapes]
         self.replicas = int(replicas)
         loads = [0] * self.replicas
@@ -453,4 +468,6 @@ class OwnerLayout:
 
 def gather_blocks(layout: OwnerLayout, block) -> list:
     """All-gathers every replica's block; returns the variables' tensors."""
-    return layout.unpack_all(collectives.all_gather(block[None], axis=0))
+    return layout.unpack_all(
+        collectives.all_gather(block[None], axis=0, chunk_bytes=layout.chunk_bytes)
+    )
