@@ -349,6 +349,7 @@ def test_unordered_collectives_leave_the_automatic_control_dependencies():
 
     assert callable(auto_control_deps.AutomaticControlDependencies.run_independently)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert tf_internal.rekey_collectives(strategy, 720_000)  # keys of its own
     seen = {}
 
     @tf.function
