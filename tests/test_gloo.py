@@ -159,11 +159,15 @@ def test_the_sharded_optimizer_through_gloo_equals_tensorflow_collectives(
 ):
     """2 workers, ShardedOptimizer fits with gloo and with TensorFlow's
     collectives: the same weights to the bit (gloo moves the rows, the sum
-    is TensorFlow's either way), the reduce-scatters and all-gathers outside
-    a `tf.cond` through gloo's all-to-all."""
+    is TensorFlow's either way; TensorFlow's move them in unordered chunks),
+    the reduce-scatters and all-gathers outside a `tf.cond` through gloo's
+    all-to-all."""
     cases = SHARDED_CASES
     with_gloo = [result["sharded"] for result in equality_fits["gloo"]]
     with_tf = [result["sharded"] for result in equality_fits["tensorflow"]]
+    # TensorFlow's collectives carried the segments (SEGMENT_BYTES) in
+    # unordered chunks, the same bits (`core/chunked.py`).
+    assert all(result["chunked"] for result in equality_fits["tensorflow"])
     for worker in range(2):
         for case, got, reference in zip(cases, with_gloo[worker], with_tf[worker]):
             assert reference["gloo"] is None

@@ -214,12 +214,14 @@ def compressed_and_sharded_fits(hook_configs, sharded_cases):
     Returns:
         Dict: `"compressed"` and `"sharded"`, the two results, and
         `"sharded_base"`: the gloo group's running count of collectives by
-        kind before the sharded fits (`None` on TensorFlow's collectives).
+        kind before the sharded fits (`None` on TensorFlow's collectives),
+        and `"chunked"`: whether TensorFlow's collectives would carry the
+        sharded segments in chunks (`core/chunked.py`).
     """
     import sharding_workers
     import tensorflow as tf
 
-    from keras_dist.core import gloo
+    from keras_dist.core import chunked, gloo
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     compressed = compressed_fit(hook_configs, strategy=strategy)
@@ -227,6 +229,7 @@ def compressed_and_sharded_fits(hook_configs, sharded_cases):
     return {
         "compressed": compressed,
         "sharded_base": None if group is None else dict(group.ops),
+        "chunked": chunked.applies(strategy),
         "sharded": sharding_workers.sharded_cases(sharded_cases, strategy=strategy),
     }
 

@@ -297,13 +297,11 @@ def is_multi_worker(strategy) -> bool:
 # instance key of that group and its ordering token, so it is ordered with
 # them and keyed like them.
 #
-# Unordered (`ordered=False`): no ordering token, and the op is taken out of
-# the function's automatic control dependencies
-# (`AutomaticControlDependencies.run_independently`, which TensorFlow 2.21
-# keeps on the graph being traced as `experimental_acd_manager`), which
-# otherwise chain every stateful op without a resource input in program
-# order. Such a collective runs as soon as its input exists, concurrently
-# with the others (`keras_dist.core.chunked`).
+# Unordered (`ordered=False`): no ordering token, and the op is left out of
+# the automatic control dependencies, which chain stateful ops in program
+# order (`run_independently` of the `AutomaticControlDependencies` that
+# TensorFlow 2.21 keeps on the traced graph as `experimental_acd_manager`):
+# it runs as soon as its input exists (`keras_dist.core.chunked`).
 
 
 def _collective_all_reduce(strategy):
@@ -329,8 +327,8 @@ def _launcher_here(strategy, what: str):
 
 
 def collective_device_type(strategy) -> str:
-    """The device type (`"CPU"`, `"GPU"`) of this replica's collectives."""
-    launcher = _launcher_here(strategy, "collective_device_type")
+    """`"CPU"` or `"GPU"`: where `strategy`'s (first) collectives run."""
+    launcher = _collective_all_reduce(strategy)._launchers[0]
     return tf.DeviceSpec.from_string(launcher._device).device_type or "CPU"
 
 
@@ -376,9 +374,8 @@ def all_to_all(strategy, tensor, ordered=True):
 def all_gather(strategy, tensor, ordered=True):
     """Replica context: every replica's `tensor` (static shape) concatenated
     along the first axis, in replica order; `ordered` as `all_to_all`'s."""
-    return _issue(
-        strategy, "all_gather", _collective_ops.all_gather_v2, tensor, ordered
-    )
+    gather = _collective_ops.all_gather_v2
+    return _issue(strategy, "all_gather", gather, tensor, ordered)
 
 
 # --- Checkpoint serialization -------------------------------------------------

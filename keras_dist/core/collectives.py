@@ -334,9 +334,9 @@ def all_gather(tensor, axis=0, chunk_bytes=None):
 
     Along the first axis, with shapes known when tracing, through gloo where
     the strategy's sums go through it (`core/gloo.py`). `chunk_bytes` (an
-    int, along the first axis, static shapes): on TensorFlow's CPU
-    collectives, gathered in unordered chunks of about that many bytes
-    (`core/chunked.py`).
+    int, along the first axis, static shapes): between worker processes on
+    TensorFlow's CPU collectives, gathered in unordered chunks of about
+    that many bytes (`core/chunked.py`).
     """
     ctx = replica_context()
     if ctx.num_replicas_in_sync == 1:
@@ -345,7 +345,7 @@ def all_gather(tensor, axis=0, chunk_bytes=None):
     if backend is not None:
         (gathered,) = backend.finish(backend.start_all_gather(tensor))
         return gathered
-    if chunk_bytes is None or axis != 0:
+    if chunk_bytes is None or axis != 0 or not chunked.applies(ctx.strategy):
         return ctx.all_gather(tensor, axis=axis)
     gathered = chunked.gather_rows(ctx.strategy, tf.reshape(tensor, [-1]), chunk_bytes)
     return tf.reshape(gathered, [-1, *tensor.shape[1:]])
@@ -424,9 +424,10 @@ def reduce_scatter(flat, sum_dtype=None, chunk_bytes=None):
         sum_dtype: `tf.DType` or `None`. The dtype the received rows are
             cast to before the local sum (a 16-bit wire summed in float32).
             `None`: `flat`'s.
-        chunk_bytes: Int or `None`. On TensorFlow's CPU collectives, the
-            all-to-all goes in unordered chunks of about this many bytes
-            (`core/chunked.py`). `None`: one all-to-all.
+        chunk_bytes: Int or `None`. Between worker processes on
+            TensorFlow's CPU collectives, the all-to-all goes in unordered
+            chunks of about this many bytes (`core/chunked.py`). `None`:
+            one all-to-all.
 
     Returns:
         This replica's slice of the sum, of length `len(flat) / N`.
@@ -437,6 +438,8 @@ def reduce_scatter(flat, sum_dtype=None, chunk_bytes=None):
         return flat if sum_dtype is None else tf.cast(flat, sum_dtype)
     backend = _gloo_carrying(ctx, [flat])
     if backend is None:
+        if not chunked.applies(ctx.strategy):
+            chunk_bytes = None
         return chunked.sum_rows(ctx.strategy, flat, sum_dtype, chunk_bytes)
     (received,) = backend.finish(backend.start_all_to_all(flat))
     return chunked.add_rows(received, replicas, sum_dtype)
