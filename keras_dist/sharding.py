@@ -101,9 +101,10 @@ class ShardedOptimizer(InnerOptimizerWrapper):
         accumulation_steps: Int >= 1. Micro-steps per update, with
             reduce-scattered slice accumulators (stage 2). Defaults to `1`.
         bucket_bytes: Int or `None`. The size of a segment in bytes: one
-            reduce-scatter and one all-gather each (on TensorFlow's CPU
-            collectives, a larger one, and the vector of `shard_by=
-            "variables"`, go in concurrent chunks of this size). Defaults to
+            reduce-scatter and one all-gather each (between worker
+            processes on TensorFlow's CPU collectives, a larger one, and the
+            vector of `shard_by="variables"`, go in concurrent chunks of this
+            size). Defaults to
             `keras_dist.compression.DEFAULT_BUCKET_BYTES` (4 MiB). `None`:
             one segment, the whole model flattened (one collective each,
             after the backward pass). The saved state does not depend on

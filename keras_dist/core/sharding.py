@@ -76,10 +76,11 @@ class ShardLayout:
     reduce-scattered as soon as the backward pass has computed them, while
     it computes the rest, and no step flattens the whole model. With
     `bucket_bytes=None` the whole vector is one segment: replica `i` owns
-    elements `[i*S, (i+1)*S)` of it. On TensorFlow's CPU collectives a
-    segment's reduce-scatter and all-gather go in unordered chunks of about
-    `bucket_bytes` (`collectives.reduce_scatter`'s `chunk_bytes`), so one
-    large variable does not travel as one message.
+    elements `[i*S, (i+1)*S)` of it. Between worker processes on
+    TensorFlow's CPU collectives a segment's reduce-scatter and all-gather
+    go in unordered chunks of about `bucket_bytes`
+    (`collectives.reduce_scatter`'s `chunk_bytes`), so one large variable
+    does not travel as one message.
 
     Args:
         shapes: List of the variables' shapes (tuples of ints), in order.
@@ -93,7 +94,8 @@ class ShardLayout:
     def __init__(self, shapes, replicas: int, bucket_bytes=None, dtype=tf.float32):
         self.shapes = [tuple(int(d) for d in shape) for shape in shapes]
         # A segment larger than this (one large variable) travels in chunks
-        # of about this size on TensorFlow's CPU collectives (`chunked`).
+        # of about this size between worker processes on TensorFlow's CPU
+        # collectives (`chunked.applies`).
         self.chunk_bytes = bucket_bytes
         self.sizes = [math.prod(shape) for shape in self.shapes]
         self.offsets = [int(o) for o in np.cumsum([0, *self.sizes[:-1]])]
@@ -389,9 +391,10 @@ class OwnerLayout:
     Args:
         shapes: List of the variables' shapes (tuples of ints), in order.
         replicas: Int. The number of replicas `N`.
-        chunk_bytes: Int or `None`. On TensorFlow's CPU collectives, the
-            vector travels in unordered chunks of about this many bytes
-            (`ShardLayout`'s). Defaults to `None` (one piece).
+        chunk_bytes: Int or `None`. Between worker processes on
+            TensorFlow's CPU collectives, the vector travels in unordered
+            chunks of about this many bytes (`ShardLayout`'s). Defaults to
+            `None` (one piece).
     """
 
     def __init__(self, shapes, replicas: int, chunk_bytes=None):
